@@ -1,0 +1,19 @@
+// The C++ CPU twin of the GPU kernels: same tiling, same online softmax, same
+// backward recomputation, float32 accumulation for every input dtype.
+#pragma once
+
+#include "jflash/params.h"
+
+namespace jflash::cpu {
+
+// out, lse <- attention(q, k, v). Extra memory is O(block) per worker, never
+// O(seqlen_q * seqlen_k). Parallel over (batch, head, query block) on the
+// library's own worker pool; returns when every output is written.
+void flash_fwd(const FwdParams& params);
+
+// dq, dk, dv <- backward of flash_fwd, recomputing P from lse. Uses params.delta
+// and params.dq_accum as float32 scratch. GQA gradients are summed into the kv
+// head inside the kernel.
+void flash_bwd(const BwdParams& params);
+
+}  // namespace jflash::cpu

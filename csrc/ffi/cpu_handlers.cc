@@ -1,0 +1,74 @@
+// XLA FFI handlers for platform "cpu": jflash_fwd_v1 and jflash_bwd_v1.
+//
+// The CUDA handlers (csrc/ffi/cuda_handlers.cu) bind the same arguments in the
+// same order under the same target names, so one jax.ffi.ffi_call lowers for
+// either platform.
+#include "cpu/flash_cpu.h"
+#include "ffi/params_from_ffi.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jflash {
+namespace {
+
+ffi::Error FwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                  ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                  float softmax_scale, int64_t diag_lo, int64_t diag_hi) {
+  FwdParams params;
+  if (auto err = ffi_glue::FillFwdParams(q, k, v, *out, *lse, softmax_scale, diag_lo, diag_hi,
+                                         &params);
+      err.failure()) {
+    return err;
+  }
+  cpu::flash_fwd(params);
+  return ffi::Error::Success();
+}
+
+ffi::Error BwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
+                  ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer dlse,
+                  ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                  ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_accum,
+                  ffi::Result<ffi::AnyBuffer> delta, float softmax_scale, int64_t diag_lo,
+                  int64_t diag_hi) {
+  BwdParams params;
+  if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, *dq, *dk, *dv, *dq_accum,
+                                         *delta, softmax_scale, diag_lo, diag_hi, &params);
+      err.failure()) {
+    return err;
+  }
+  cpu::flash_bwd(params);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jflash
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JflashFwdCpu, jflash::FwdCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // lse
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<int64_t>("diag_lo")
+                                  .Attr<int64_t>("diag_hi"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JflashBwdCpu, jflash::BwdCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // out
+                                  .Arg<ffi::AnyBuffer>()  // dout
+                                  .Arg<ffi::AnyBuffer>()  // lse
+                                  .Arg<ffi::AnyBuffer>()  // dlse
+                                  .Ret<ffi::AnyBuffer>()  // dq
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
+                                  .Ret<ffi::AnyBuffer>()  // dq_accum (scratch)
+                                  .Ret<ffi::AnyBuffer>()  // delta (scratch)
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<int64_t>("diag_lo")
+                                  .Attr<int64_t>("diag_hi"));

@@ -1,0 +1,182 @@
+// XLA FFI buffers and attributes -> jflash::FwdParams / BwdParams.
+//
+// Shared by the CPU and CUDA handlers so both platforms validate identically.
+// Python (jflash/_src/) already validates every user-facing argument at trace
+// time; the checks here guard the ABI (a stale or hand-written custom call) and
+// return ffi::Error, never throw or abort.
+//
+// Leading dimensions are folded into batch: q may be [..., seqlen_q, num_heads,
+// head_dim]. jax.vmap of the ffi_call (vmap_method="broadcast_all") adds such
+// axes, and folding them runs the whole vmapped batch in one launch.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "jflash/params.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jflash::ffi_glue {
+
+namespace ffi = xla::ffi;
+
+constexpr int kMaxHeadDim = 256;
+
+inline std::string DimsToString(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  return s + "]";
+}
+
+inline ffi::ErrorOr<DType> ToDType(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F16: return DType::kFloat16;
+    case ffi::DataType::BF16: return DType::kBFloat16;
+    case ffi::DataType::F32: return DType::kFloat32;
+    default: return ffi::Error::InvalidArgument("jflash: unsupported dtype");
+  }
+}
+
+// [lead..., seq, heads, head_dim] -> (batch = prod(lead), seq, heads, head_dim).
+struct Shape4 {
+  int64_t batch, seq, heads, head_dim;
+};
+
+inline ffi::ErrorOr<Shape4> FoldShape(ffi::AnyBuffer::Dimensions dims, const char* name) {
+  if (dims.size() < 4) {
+    return ffi::Error::InvalidArgument(std::string("jflash: ") + name +
+                                       " must have rank >= 4, got " + DimsToString(dims));
+  }
+  Shape4 s{1, dims[dims.size() - 3], dims[dims.size() - 2], dims[dims.size() - 1]};
+  for (size_t i = 0; i + 3 < dims.size(); ++i) s.batch *= dims[i];
+  return s;
+}
+
+// Dense [batch, seq, heads, head_dim] strides, in elements.
+inline void DenseStrides(const Shape4& s, int64_t* batch_stride, int64_t* row_stride,
+                         int64_t* head_stride) {
+  *head_stride = s.head_dim;
+  *row_stride = s.heads * s.head_dim;
+  *batch_stride = s.seq * s.heads * s.head_dim;
+}
+
+inline bool SameShape(const Shape4& a, const Shape4& b) {
+  return a.batch == b.batch && a.seq == b.seq && a.heads == b.heads && a.head_dim == b.head_dim;
+}
+
+inline ffi::Error FillFwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                ffi::AnyBuffer out, ffi::AnyBuffer lse, float softmax_scale,
+                                int64_t diag_lo, int64_t diag_hi, FwdParams* p) {
+  auto dtype = ToDType(q.element_type());
+  if (dtype.has_error()) return dtype.error();
+  if (k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
+      out.element_type() != q.element_type()) {
+    return ffi::Error::InvalidArgument("jflash: q, k, v and out must share one dtype");
+  }
+  if (lse.element_type() != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("jflash: lse must be float32");
+  }
+  auto qs = FoldShape(q.dimensions(), "q");
+  if (qs.has_error()) return qs.error();
+  auto ks = FoldShape(k.dimensions(), "k");
+  if (ks.has_error()) return ks.error();
+  auto vs = FoldShape(v.dimensions(), "v");
+  if (vs.has_error()) return vs.error();
+  auto os = FoldShape(out.dimensions(), "out");
+  if (os.has_error()) return os.error();
+  if (!SameShape(*ks, *vs) || !SameShape(*qs, *os) || ks->batch != qs->batch ||
+      ks->head_dim != qs->head_dim) {
+    return ffi::Error::InvalidArgument("jflash: inconsistent shapes q " +
+                                       DimsToString(q.dimensions()) + ", k " +
+                                       DimsToString(k.dimensions()) + ", v " +
+                                       DimsToString(v.dimensions()));
+  }
+  if (qs->head_dim < 1 || qs->head_dim > kMaxHeadDim || ks->heads < 1 ||
+      qs->heads % ks->heads != 0) {
+    return ffi::Error::InvalidArgument("jflash: unsupported head_dim or head counts");
+  }
+  if (lse.element_count() != qs->batch * qs->heads * qs->seq) {
+    return ffi::Error::InvalidArgument("jflash: lse must hold batch * num_heads * seqlen_q floats");
+  }
+  if (!std::isfinite(softmax_scale)) {
+    return ffi::Error::InvalidArgument("jflash: softmax_scale must be finite");
+  }
+
+  p->dtype = *dtype;
+  p->q = q.untyped_data();
+  p->k = k.untyped_data();
+  p->v = v.untyped_data();
+  p->out = out.untyped_data();
+  p->lse = static_cast<float*>(lse.untyped_data());
+  DenseStrides(*qs, &p->q_batch_stride, &p->q_row_stride, &p->q_head_stride);
+  DenseStrides(*ks, &p->k_batch_stride, &p->k_row_stride, &p->k_head_stride);
+  DenseStrides(*vs, &p->v_batch_stride, &p->v_row_stride, &p->v_head_stride);
+  DenseStrides(*os, &p->out_batch_stride, &p->out_row_stride, &p->out_head_stride);
+  p->batch = static_cast<int>(qs->batch);
+  p->seqlen_q = static_cast<int>(qs->seq);
+  p->seqlen_k = static_cast<int>(ks->seq);
+  p->num_heads = static_cast<int>(qs->heads);
+  p->num_heads_kv = static_cast<int>(ks->heads);
+  p->head_dim = static_cast<int>(qs->head_dim);
+  p->heads_per_kv = p->num_heads / p->num_heads_kv;
+  p->softmax_scale = softmax_scale;
+  p->softmax_scale_log2 = softmax_scale * 1.4426950408889634f;
+  // Clamp here too so that kernels may rely on the documented range.
+  auto clamp = [](int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); };
+  p->mask.diag_lo = clamp(diag_lo, -qs->seq, ks->seq);
+  p->mask.diag_hi = clamp(diag_hi, -qs->seq, ks->seq);
+  return ffi::Error::Success();
+}
+
+inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
+                                ffi::AnyBuffer dlse, ffi::AnyBuffer dq, ffi::AnyBuffer dk,
+                                ffi::AnyBuffer dv, ffi::AnyBuffer dq_accum, ffi::AnyBuffer delta,
+                                float softmax_scale, int64_t diag_lo, int64_t diag_hi,
+                                BwdParams* p) {
+  if (auto err = FillFwdParams(q, k, v, out, lse, softmax_scale, diag_lo, diag_hi, p);
+      err.failure()) {
+    return err;
+  }
+  const int64_t rows = int64_t{p->batch} * p->num_heads * p->seqlen_q;
+  if (dout.element_type() != q.element_type() || dq.element_type() != q.element_type() ||
+      dk.element_type() != q.element_type() || dv.element_type() != q.element_type()) {
+    return ffi::Error::InvalidArgument("jflash: dout, dq, dk, dv must have the dtype of q");
+  }
+  if (dout.element_count() != q.element_count() || dq.element_count() != q.element_count() ||
+      dk.element_count() != k.element_count() || dv.element_count() != v.element_count()) {
+    return ffi::Error::InvalidArgument("jflash: gradient shapes must match q, k, v");
+  }
+  if (dlse.element_type() != ffi::DataType::F32 || dlse.element_count() != rows ||
+      delta.element_type() != ffi::DataType::F32 || delta.element_count() != rows ||
+      dq_accum.element_type() != ffi::DataType::F32 ||
+      dq_accum.element_count() != rows * p->head_dim) {
+    return ffi::Error::InvalidArgument("jflash: bad dlse, delta or dq_accum buffer");
+  }
+  p->dout = dout.untyped_data();
+  p->dlse = static_cast<const float*>(dlse.untyped_data());
+  p->dq = dq.untyped_data();
+  p->dk = dk.untyped_data();
+  p->dv = dv.untyped_data();
+  p->dq_accum = static_cast<float*>(dq_accum.untyped_data());
+  p->delta = static_cast<float*>(delta.untyped_data());
+  p->dout_batch_stride = p->out_batch_stride;
+  p->dout_row_stride = p->out_row_stride;
+  p->dout_head_stride = p->out_head_stride;
+  p->dq_batch_stride = p->q_batch_stride;
+  p->dq_row_stride = p->q_row_stride;
+  p->dq_head_stride = p->q_head_stride;
+  p->dk_batch_stride = p->k_batch_stride;
+  p->dk_row_stride = p->k_row_stride;
+  p->dk_head_stride = p->k_head_stride;
+  p->dv_batch_stride = p->v_batch_stride;
+  p->dv_row_stride = p->v_row_stride;
+  p->dv_head_stride = p->v_head_stride;
+  return ffi::Error::Success();
+}
+
+}  // namespace jflash::ffi_glue

@@ -1,0 +1,14 @@
+// Build provenance, compiled into every jflash library so that Python can
+// refuse to register handlers built against a newer XLA FFI than the running
+// jaxlib (such a handler fails to load and takes the backend down with it).
+#include "xla/ffi/api/c_api.h"
+
+#ifndef JFLASH_BUILD_JAXLIB_VERSION
+#error "CMake defines JFLASH_BUILD_JAXLIB_VERSION (the jaxlib whose FFI headers we build against)"
+#endif
+
+#define JFLASH_EXPORT extern "C" __attribute__((visibility("default")))
+
+JFLASH_EXPORT int jflash_ffi_api_major() { return XLA_FFI_API_MAJOR; }
+JFLASH_EXPORT int jflash_ffi_api_minor() { return XLA_FFI_API_MINOR; }
+JFLASH_EXPORT const char* jflash_build_jaxlib_version() { return JFLASH_BUILD_JAXLIB_VERSION; }

@@ -1,0 +1,69 @@
+// The plain parameter structs every jflash kernel sees (CPU and CUDA alike).
+//
+// The FFI layer (csrc/ffi/) turns XLA buffers and attributes into one of these
+// structs and validates it; kernels never see an XLA type. Tensors are dense
+// and row-major in the layout of jax.nn.dot_product_attention:
+//
+//   q, out, dout, dq : [batch, seqlen_q, num_heads,    head_dim]
+//   k, v, dk, dv     : [batch, seqlen_k, num_heads_kv, head_dim]
+//   lse, dlse, delta : [batch, num_heads, seqlen_q]          (float32)
+//   dq_accum         : [batch, num_heads, seqlen_q, head_dim] (float32 scratch)
+//
+// Strides are in elements (not bytes) and int64 so that batch * seq * heads *
+// head_dim never overflows; the last (head_dim) stride is always 1.
+#pragma once
+
+#include <cstdint>
+
+#include "jflash/mask.h"
+
+namespace jflash {
+
+enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
+
+struct FwdParams {
+  DType dtype;
+
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  float* lse;  // natural log; -inf for a row that sees no key
+
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int64_t out_batch_stride, out_row_stride, out_head_stride;
+
+  int batch;
+  int seqlen_q;
+  int seqlen_k;
+  int num_heads;
+  int num_heads_kv;  // num_heads % num_heads_kv == 0 (GQA/MQA)
+  int head_dim;
+
+  // Query head h reads kv head h / heads_per_kv.
+  int heads_per_kv;
+
+  float softmax_scale;       // applied to q.k before the softmax
+  float softmax_scale_log2;  // softmax_scale * log2(e), for exp2-based kernels
+
+  BandMask mask;
+};
+
+struct BwdParams : FwdParams {
+  const void* dout;
+  const float* dlse;  // gradient flowing into lse (zeros when lse is unused)
+  void* dq;
+  void* dk;
+  void* dv;
+  float* dq_accum;  // float32 scratch, [batch, num_heads, seqlen_q, head_dim]
+  float* delta;     // float32 scratch, rowsum(dout * out) - dlse, [batch, num_heads, seqlen_q]
+
+  int64_t dout_batch_stride, dout_row_stride, dout_head_stride;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+};
+
+}  // namespace jflash

@@ -1,0 +1,13 @@
+"""jflash: FlashAttention for JAX.
+
+Exact attention computed tile by tile with an online softmax (CUDA kernels on
+NVIDIA GPUs from sm80 on, a C++ twin of the same algorithm on CPU), registered
+as XLA FFI custom calls, differentiable through jax.custom_vjp.
+"""
+
+from jflash import reference
+from jflash._src.ffi import HAS_CUDA_KERNELS
+from jflash._src.flash_attention import LSE_NAME, OUT_NAME, flash_attention
+
+__all__ = ["flash_attention", "reference", "HAS_CUDA_KERNELS", "OUT_NAME", "LSE_NAME"]
+__version__ = "0.1.0"

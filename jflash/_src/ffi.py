@@ -1,0 +1,82 @@
+"""Loads the compiled jflash libraries and registers their XLA FFI targets.
+
+Target names carry an ABI version (``jflash_fwd_v1``): a serialized program
+(jax.export) that names a target never binds to a handler of a changed ABI.
+The CPU and CUDA handlers share names and argument order, so one ``ffi_call``
+lowers for either platform.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pathlib
+
+import jax
+import jaxlib
+
+FWD_TARGET = "jflash_fwd_v1"
+BWD_TARGET = "jflash_bwd_v1"
+
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent
+_CPU_LIBRARY = "libjflash_cpu.so"
+_CUDA_LIBRARY = "libjflash_cuda.so"
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def _check_built_against(lib: ctypes.CDLL, path: pathlib.Path) -> None:
+    """Refuses a library built against FFI headers newer than the running jaxlib.
+
+    Such a handler does not load: XLA rejects it when the backend starts and the
+    whole backend fails. Failing here instead names the cause and the fix.
+    """
+    lib.jflash_build_jaxlib_version.restype = ctypes.c_char_p
+    built = lib.jflash_build_jaxlib_version().decode()
+    api = (lib.jflash_ffi_api_major(), lib.jflash_ffi_api_minor())
+    if _version_tuple(built) > _version_tuple(jaxlib.__version__):
+        raise ImportError(
+            f"jflash: {path.name} was built against jaxlib {built} (XLA FFI API "
+            f"{api[0]}.{api[1]}), newer than the running jaxlib {jaxlib.__version__}. "
+            "Rebuild jflash in this environment with "
+            "`pip install --no-build-isolation .` so that it uses the installed jax."
+        )
+
+
+def _load(name: str) -> ctypes.CDLL | None:
+    path = _PACKAGE_DIR / name
+    if not path.exists():
+        return None
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    _check_built_against(lib, path)
+    return lib
+
+
+def _register(lib: ctypes.CDLL, platform: str, suffix: str) -> None:
+    for target, symbol in ((FWD_TARGET, "JflashFwd"), (BWD_TARGET, "JflashBwd")):
+        jax.ffi.register_ffi_target(
+            target, jax.ffi.pycapsule(getattr(lib, symbol + suffix)), platform=platform
+        )
+
+
+_cpu_lib = _load(_CPU_LIBRARY)
+if _cpu_lib is None:
+    raise ImportError(
+        f"jflash: {_CPU_LIBRARY} is missing from {_PACKAGE_DIR}; jflash must be installed "
+        "(pip install --no-build-isolation .), not imported from a source tree"
+    )
+_register(_cpu_lib, "cpu", "Cpu")
+
+_cuda_lib = _load(_CUDA_LIBRARY)
+if _cuda_lib is not None:
+    _register(_cuda_lib, "CUDA", "Cuda")
+
+HAS_CUDA_KERNELS = _cuda_lib is not None
+"""True when this build contains the CUDA kernels (they run when arrays live on a GPU)."""

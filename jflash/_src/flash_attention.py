@@ -1,0 +1,126 @@
+"""jflash.flash_attention: the op, its custom_vjp and its residuals.
+
+Forward:  out, lse = kernel(q, k, v)              (lse in float32, natural log)
+Backward: dq, dk, dv = kernel(q, k, v, out, dout, lse, dlse)
+          recomputes P = exp(S - lse) tile by tile; no seq_q x seq_k buffer.
+
+The gradient flows through lse too (dS = P * (dP - (delta - dlse))), which
+ring attention and other lse-combining callers rely on.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jflash._src import kernel_calls, validation
+
+# Names for jax.checkpoint policies, e.g.
+# jax.checkpoint_policies.save_only_these_names(OUT_NAME, LSE_NAME).
+OUT_NAME = "jflash_out"
+LSE_NAME = "jflash_lse"
+
+
+def causal_band(seqlen_q: int, seqlen_k: int, causal: bool, *, bottom_right: bool = True):
+    """(diag_lo, diag_hi) of csrc/include/jflash/mask.h for a plain or causal mask.
+
+    Bottom-right causal: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+    Top-left causal (jax.nn.dot_product_attention): iff j <= i.
+    """
+    diag_lo = -seqlen_q
+    if not causal:
+        return diag_lo, seqlen_k
+    return diag_lo, (seqlen_k - seqlen_q) if bottom_right else 0
+
+
+def clamp_band(seqlen_q: int, seqlen_k: int, diag_lo: int, diag_hi: int):
+    """Clamps a band into [-seqlen_q, seqlen_k], the range the kernels expect."""
+    lo = max(-seqlen_q, min(seqlen_k, int(diag_lo)))
+    hi = max(-seqlen_q, min(seqlen_k, int(diag_hi)))
+    return lo, hi
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _attention(q, k, v, softmax_scale, diag_lo, diag_hi):
+    return kernel_calls.fwd(q, k, v, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi)
+
+
+def _attention_fwd(q, k, v, softmax_scale, diag_lo, diag_hi):
+    out, lse = kernel_calls.fwd(
+        q, k, v, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi
+    )
+    out = checkpoint_name(out, OUT_NAME)
+    lse = checkpoint_name(lse, LSE_NAME)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _attention_bwd(softmax_scale, diag_lo, diag_hi, residuals, cotangents):
+    q, k, v, out, lse = residuals
+    dout, dlse = cotangents
+    return kernel_calls.bwd(
+        q,
+        k,
+        v,
+        out,
+        dout.astype(out.dtype),
+        lse,
+        dlse.astype(jnp.float32),
+        softmax_scale=softmax_scale,
+        diag_lo=diag_lo,
+        diag_hi=diag_hi,
+    )
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi):
+    """Attention with the band mask diag_lo <= j - i <= diag_hi; returns (out, lse).
+
+    For validated inputs (see flash_attention); the entry point that other
+    front ends (the jax.nn drop-in, Flax modules) build on.
+    """
+    _, seqlen_q, _, head_dim = query.shape
+    seqlen_k = key.shape[1]
+    diag_lo, diag_hi = clamp_band(seqlen_q, seqlen_k, diag_lo, diag_hi)
+    kernel_head_dim = kernel_calls.padded_head_dim(head_dim)
+    if kernel_head_dim != head_dim:
+        pad = [(0, 0), (0, 0), (0, 0), (0, kernel_head_dim - head_dim)]
+        query, key, value = (jnp.pad(x, pad) for x in (query, key, value))
+    out, lse = _attention(query, key, value, float(softmax_scale), diag_lo, diag_hi)
+    if kernel_head_dim != head_dim:
+        out = out[..., :head_dim]
+    return out, lse
+
+
+def flash_attention(query, key, value, *, causal=False, softmax_scale=None, return_lse=False):
+    """Exact attention, computed tile by tile without a seq_q x seq_k buffer.
+
+    Args:
+      query: [batch, seq_q, num_heads, head_dim], float16, bfloat16 or float32.
+      key: [batch, seq_k, num_heads_kv, head_dim], same dtype; num_heads must be
+        a multiple of num_heads_kv (GQA/MQA: query head h reads kv head
+        h // (num_heads // num_heads_kv)).
+      value: same shape and dtype as key.
+      causal: mask aligned to the bottom-right corner: query i sees key j iff
+        j <= i + seq_k - seq_q. A row that sees no key outputs zeros, lse -inf,
+        and gets zero gradients.
+      softmax_scale: static scale applied to q.k; default 1/sqrt(head_dim).
+      return_lse: also return lse [batch, num_heads, seq_q], float32, natural
+        log of the softmax denominator (differentiable).
+
+    Returns:
+      out with the shape and dtype of query, or (out, lse).
+    """
+    q_shape, k_shape, _ = validation.check_qkv(query, key, value)
+    causal = validation.check_bool("causal", causal)
+    return_lse = validation.check_bool("return_lse", return_lse)
+    softmax_scale = validation.check_softmax_scale(softmax_scale, q_shape[3])
+    diag_lo, diag_hi = causal_band(q_shape[1], k_shape[1], causal)
+    out, lse = attention_band(
+        query, key, value, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi
+    )
+    return (out, lse) if return_lse else out

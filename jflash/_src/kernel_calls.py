@@ -1,0 +1,125 @@
+"""The two FFI calls (forward, backward) and how inputs are adapted to them.
+
+Everything here sees kernel-ready shapes: head_dim already padded to one of
+KERNEL_HEAD_DIMS and the mask already reduced to a diagonal band (see
+csrc/include/jflash/mask.h). Validation happens before, in flash_attention.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jflash._src import ffi as _ffi
+
+# Head dims the GPU kernels are instantiated for (csrc/cuda/generate_kernels.py).
+# Other head dims are zero-padded up to the next one: zero columns of q and k
+# add nothing to q.k, and zero columns of v give output columns that are sliced
+# off. The CPU kernel takes the same padded shapes so that both platforms run
+# one traced program.
+KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    for d in KERNEL_HEAD_DIMS:
+        if head_dim <= d:
+            return d
+    raise ValueError(f"head_dim {head_dim} exceeds {KERNEL_HEAD_DIMS[-1]}")
+
+
+def _fwd_native(q, k, v, *, softmax_scale, diag_lo, diag_hi):
+    *lead, seqlen_q, num_heads, _ = q.shape
+    call = jax.ffi.ffi_call(
+        _ffi.FWD_TARGET,
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),  # out
+            jax.ShapeDtypeStruct((*lead, num_heads, seqlen_q), jnp.float32),  # lse
+        ),
+        # Handlers fold every leading axis into batch, so a vmapped call is one
+        # kernel launch over batch * vmap_size, not a loop.
+        vmap_method="broadcast_all",
+    )
+    return call(
+        q,
+        k,
+        v,
+        softmax_scale=np.float32(softmax_scale),
+        diag_lo=np.int64(diag_lo),
+        diag_hi=np.int64(diag_hi),
+    )
+
+
+def _bwd_native(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi):
+    *lead, seqlen_q, num_heads, head_dim = q.shape
+    f32 = jnp.float32
+    call = jax.ffi.ffi_call(
+        _ffi.BWD_TARGET,
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),  # dq
+            jax.ShapeDtypeStruct(k.shape, k.dtype),  # dk
+            jax.ShapeDtypeStruct(v.shape, v.dtype),  # dv
+            # Float32 scratch the kernels need; XLA allocates it, so the handlers
+            # never call cudaMalloc and stay CUDA-graph safe.
+            jax.ShapeDtypeStruct((*lead, num_heads, seqlen_q, head_dim), f32),  # dq_accum
+            jax.ShapeDtypeStruct((*lead, num_heads, seqlen_q), f32),  # delta
+        ),
+        vmap_method="broadcast_all",
+    )
+    dq, dk, dv, _, _ = call(
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        dlse,
+        softmax_scale=np.float32(softmax_scale),
+        diag_lo=np.int64(diag_lo),
+        diag_hi=np.int64(diag_hi),
+    )
+    return dq, dk, dv
+
+
+# float32 inputs: the CPU kernel computes in float32 natively. The GPU kernels
+# are half-precision tensor-core kernels, so on GPU float32 inputs are rounded to
+# bfloat16 (float32 range, so no overflow), computed with float32 accumulation,
+# and cast back: the precision of a bfloat16 attention, as documented in the
+# README. lax.platform_dependent picks the branch when the program is lowered.
+_GPU_COMPUTE_DTYPE = jnp.bfloat16
+
+
+def fwd(q, k, v, *, softmax_scale, diag_lo, diag_hi):
+    """(out, lse) for kernel-ready inputs; lse is float32 [batch, heads, seqlen_q]."""
+    kw = dict(softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi)
+    if q.dtype != jnp.float32:
+        return _fwd_native(q, k, v, **kw)
+
+    def on_gpu(q, k, v):
+        c = _GPU_COMPUTE_DTYPE
+        out, lse = _fwd_native(q.astype(c), k.astype(c), v.astype(c), **kw)
+        return out.astype(jnp.float32), lse
+
+    return jax.lax.platform_dependent(
+        q, k, v, cpu=functools.partial(_fwd_native, **kw), default=on_gpu
+    )
+
+
+def bwd(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi):
+    """(dq, dk, dv) in the input dtype, recomputing attention from (q, k, v, out, lse)."""
+    kw = dict(softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi)
+    if q.dtype != jnp.float32:
+        return _bwd_native(q, k, v, out, dout, lse, dlse, **kw)
+
+    def on_gpu(q, k, v, out, dout, lse, dlse):
+        c = _GPU_COMPUTE_DTYPE
+        grads = _bwd_native(
+            q.astype(c), k.astype(c), v.astype(c), out.astype(c), dout.astype(c), lse, dlse, **kw
+        )
+        return tuple(g.astype(jnp.float32) for g in grads)
+
+    return jax.lax.platform_dependent(
+        q, k, v, out, dout, lse, dlse, cpu=functools.partial(_bwd_native, **kw), default=on_gpu
+    )

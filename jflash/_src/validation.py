@@ -1,0 +1,89 @@
+"""Trace-time checks shared by every public entry point.
+
+Each check raises before any kernel is traced, naming the argument and what it
+got, so that nothing reaches a kernel that the kernel cannot handle.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+MAX_HEAD_DIM = 256
+
+
+def _shape_dtype(name, x):
+    shape = getattr(x, "shape", None)
+    dtype = getattr(x, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    return tuple(shape), jnp.dtype(dtype)
+
+
+def check_qkv(query, key, value):
+    """Validates [batch, seq, heads, head_dim] q/k/v; returns their shapes and dtype."""
+    shapes = {}
+    dtypes = {}
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        shape, dtype = _shape_dtype(name, x)
+        if len(shape) != 4:
+            raise ValueError(
+                f"{name} must have rank 4 [batch, seq_len, num_heads, head_dim], got shape {shape}"
+            )
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"{name} must be a floating-point array, got dtype {dtype}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {dtype}; jflash supports float16, bfloat16 and float32"
+            )
+        if any(d == 0 for d in shape):
+            raise ValueError(f"{name} must have no zero-sized dimension, got shape {shape}")
+        shapes[name] = shape
+        dtypes[name] = dtype
+    if len(set(dtypes.values())) != 1:
+        raise TypeError(
+            "query, key and value must share one dtype, got "
+            f"{dtypes['query']}, {dtypes['key']} and {dtypes['value']}"
+        )
+    q, k, v = shapes["query"], shapes["key"], shapes["value"]
+    if k != v:
+        raise ValueError(f"key and value must have the same shape, got key {k} and value {v}")
+    if q[0] != k[0]:
+        raise ValueError(f"query and key must have the same batch size, got query {q} and key {k}")
+    if q[3] != k[3]:
+        raise ValueError(f"query and key must have the same head_dim, got query {q} and key {k}")
+    if q[2] % k[2] != 0:
+        raise ValueError(
+            "num_heads of query must be a multiple of num_heads of key/value (GQA/MQA), "
+            f"got query {q} and key {k}"
+        )
+    if q[3] > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got query {q}")
+    return q, k, dtypes["query"]
+
+
+def check_softmax_scale(softmax_scale, head_dim):
+    """Returns the scale as a Python float; defaults to 1/sqrt(head_dim)."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(
+        softmax_scale, (numbers.Real, np.floating, np.integer)
+    ):
+        raise TypeError(
+            "softmax_scale must be a Python or NumPy real number (a static value), "
+            f"got {type(softmax_scale).__name__}"
+        )
+    scale = float(softmax_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be finite, got {scale}")
+    return scale
+
+
+def check_bool(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)

@@ -1,0 +1,57 @@
+"""Plain-jnp attention with jflash's exact semantics, in float32.
+
+The documentation of what the kernels compute, and the reference every test
+compares against. It materializes the seq_q x seq_k score matrix: use it for
+checking, not for speed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jflash._src import validation
+from jflash._src.flash_attention import causal_band, clamp_band
+
+
+def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, dtype=jnp.float32):
+    """(out, lse) with key j visible from query i iff diag_lo <= j - i <= diag_hi.
+
+    dtype is the compute dtype: float32 gives the reference; the input's own
+    dtype gives the "same-dtype plain computation" of FlashAttention's test rule.
+    Fully masked rows give out 0, lse -inf and zero gradients (never NaN).
+    """
+    batch, seqlen_q, num_heads, _ = query.shape
+    seqlen_k, num_heads_kv = key.shape[1], key.shape[2]
+    diag_lo, diag_hi = clamp_band(seqlen_q, seqlen_k, diag_lo, diag_hi)
+    group = num_heads // num_heads_kv
+    q = query.astype(dtype)
+    k = jnp.repeat(key.astype(dtype), group, axis=2)  # kv head h // group serves query head h
+    v = jnp.repeat(value.astype(dtype), group, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(softmax_scale, dtype)
+    offset = jnp.arange(seqlen_k)[None, :] - jnp.arange(seqlen_q)[:, None]  # j - i
+    visible = (offset >= diag_lo) & (offset <= diag_hi)
+    scores = jnp.where(visible, scores, -jnp.inf)
+    # The row max only stabilizes exp; it cancels, so no gradient flows through it.
+    row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)  # fully masked: -inf - -inf = NaN
+    p = jnp.exp(scores - row_max)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    seen = denom > 0
+    safe_denom = jnp.where(seen, denom, 1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", p / safe_denom, v)
+    lse = jnp.where(seen, jnp.log(safe_denom) + row_max, -jnp.inf)[..., 0]
+    return out.astype(query.dtype), lse.astype(jnp.float32)
+
+
+def attention(query, key, value, *, causal=False, softmax_scale=None, return_lse=False):
+    """Same signature and semantics as jflash.flash_attention, in plain jnp."""
+    q_shape, k_shape, _ = validation.check_qkv(query, key, value)
+    causal = validation.check_bool("causal", causal)
+    return_lse = validation.check_bool("return_lse", return_lse)
+    softmax_scale = validation.check_softmax_scale(softmax_scale, q_shape[3])
+    diag_lo, diag_hi = causal_band(q_shape[1], k_shape[1], causal)
+    out, lse = attention_band(
+        query, key, value, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi
+    )
+    return (out, lse) if return_lse else out
