@@ -1,0 +1,50 @@
+"""FlashAttention's error rule, shared by every test module."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Absolute floors added to 2x the plain computation's error; they only matter
+# when the plain computation happens to be (nearly) exact.
+FLOOR = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-4, jnp.dtype(jnp.float16): 1e-4}
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def plain_dtype(dtype):
+    """dtype of the plain computation that a kernel's error is judged against.
+
+    On GPU, float32 inputs run the bfloat16 kernels (README), so they are judged
+    against a bfloat16 plain computation.
+    """
+    dtype = jnp.dtype(dtype)
+    if on_gpu() and dtype == jnp.float32:
+        return jnp.dtype(jnp.bfloat16)
+    return dtype
+
+
+def max_err(x, truth):
+    x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    finite = np.isfinite(truth)
+    assert np.array_equal(np.isfinite(x), finite), "non-finite entries differ from the reference"
+    if not finite.any():
+        return 0.0
+    return float(np.max(np.abs(x[finite] - truth[finite])))
+
+
+def assert_within_rule(name, kernel, plain, truth, dtype):
+    """max|kernel - truth| <= 2 max|plain - truth| + floor * max(1, max|truth|)."""
+    assert not np.isnan(np.asarray(jnp.asarray(kernel, jnp.float32))).any(), f"{name}: NaN"
+    kernel_err = max_err(kernel, truth)
+    plain_err = max_err(plain, truth)
+    finite = truth[np.isfinite(truth)]
+    scale = max(1.0, float(np.max(np.abs(finite)))) if finite.size else 1.0
+    bound = 2 * plain_err + FLOOR[jnp.dtype(dtype)] * scale
+    assert kernel_err <= bound, (
+        f"{name}: kernel error {kernel_err:.3g} > bound {bound:.3g} "
+        f"(plain {plain_dtype(dtype)} error {plain_err:.3g})"
+    )

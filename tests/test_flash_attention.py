@@ -1,0 +1,163 @@
+"""jflash.flash_attention against float64 truth with FlashAttention's 2x rule.
+
+Runs on whatever backend jax picks: the CPU kernel in CI, the CUDA kernels on a
+GPU machine.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jflash
+import reference64
+from checks import assert_within_rule, plain_dtype
+from jflash._src.flash_attention import attention_band, causal_band
+from jflash.reference import attention_band as reference_band
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+# (batch, seq_q, seq_k, num_heads, num_heads_kv, head_dim): odd lengths, seq_q
+# != seq_k both ways, MHA / GQA / MQA, and every head dim family (80 is padded).
+SHAPES = [
+    (2, 1, 1, 2, 2, 64),
+    (2, 17, 129, 4, 2, 32),
+    (2, 129, 17, 4, 1, 80),
+    (1, 1000, 1000, 2, 2, 64),
+    (2, 128, 256, 2, 2, 96),
+    (2, 64, 64, 4, 1, 128),
+    (1, 33, 65, 2, 2, 256),
+    (1, 1, 1000, 4, 4, 128),
+]
+
+
+def _inputs(rng, shape, dtype):
+    batch, seq_q, seq_k, heads, heads_kv, head_dim = shape
+    q = rng.standard_normal((batch, seq_q, heads, head_dim))
+    k = rng.standard_normal((batch, seq_k, heads_kv, head_dim))
+    v = rng.standard_normal((batch, seq_k, heads_kv, head_dim))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def _truth_inputs(*arrays):
+    return [np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in arrays]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward(rng, shape, causal, dtype):
+    q, k, v = _inputs(rng, shape, dtype)
+    out, lse = jax.jit(
+        lambda q, k, v: jflash.flash_attention(q, k, v, causal=causal, return_lse=True)
+    )(q, k, v)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (shape[0], shape[3], shape[1]) and lse.dtype == jnp.float32
+
+    scale = 1 / np.sqrt(shape[5])
+    lo, hi = causal_band(shape[1], shape[2], causal)
+    truth_out, truth_lse, _ = reference64.forward(*_truth_inputs(q, k, v), scale, lo, hi)
+    plain_out, plain_lse = reference_band(
+        q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi, dtype=plain_dtype(dtype)
+    )
+    assert_within_rule("out", out, plain_out, truth_out, dtype)
+    assert_within_rule("lse", lse, plain_lse, truth_lse, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_backward(rng, shape, causal, dtype):
+    """Gradients of (out, lse) with random cotangents for both: dlse exercises
+    the delta - dlse term that lse-combining callers (ring attention) rely on."""
+    q, k, v = _inputs(rng, shape, dtype)
+    dout = jnp.asarray(rng.standard_normal(q.shape), dtype)
+    dlse = jnp.asarray(rng.standard_normal((shape[0], shape[3], shape[1])), jnp.float32)
+    scale = 1 / np.sqrt(shape[5])
+    lo, hi = causal_band(shape[1], shape[2], causal)
+
+    def grads(fn, q, k, v, dout, dlse):
+        _, vjp = jax.vjp(fn, q, k, v)
+        return vjp((dout, dlse))
+
+    def kernel_fn(q, k, v):
+        return jflash.flash_attention(q, k, v, causal=causal, return_lse=True)
+
+    def plain_fn(q, k, v):
+        return reference_band(
+            q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi, dtype=plain_dtype(dtype)
+        )
+
+    kernel = jax.jit(lambda *args: grads(kernel_fn, *args))(q, k, v, dout, dlse)
+    plain = grads(plain_fn, q, k, v, dout, dlse)
+    truth = reference64.backward(*_truth_inputs(q, k, v, dout), np.asarray(dlse), scale, lo, hi)
+    for name, got, ref, exact in zip(("dq", "dk", "dv"), kernel, plain, truth):
+        assert got.dtype == q.dtype and got.shape == ref.shape
+        assert_within_rule(name, got, ref, exact, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_fully_masked_rows_are_zero_not_nan(rng, dtype):
+    """Rows that see no key: out 0, lse -inf, zero gradients, never NaN.
+
+    causal with seq_q > seq_k (bottom-right) masks rows 0..seq_q-seq_k-1 fully;
+    a band with diag_hi = -5 masks rows 0..4 in a square problem.
+    """
+    q, k, v = _inputs(rng, (2, 40, 23, 4, 2, 64), dtype)
+    out, lse = jflash.flash_attention(q, k, v, causal=True, return_lse=True)
+    masked = 40 - 23
+    assert np.all(np.asarray(out[:, :masked], np.float32) == 0)
+    assert np.all(np.isneginf(np.asarray(lse[:, :, :masked])))
+    assert np.all(np.isfinite(np.asarray(lse[:, :, masked:])))
+
+    def loss(q, k, v):
+        out, lse = attention_band(q, k, v, softmax_scale=0.125, diag_lo=-40, diag_hi=-5)
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+
+    q2, k2, v2 = _inputs(rng, (1, 31, 31, 2, 2, 64), dtype)
+    out2, lse2 = attention_band(q2, k2, v2, softmax_scale=0.125, diag_lo=-31, diag_hi=-5)
+    assert np.all(np.asarray(out2[:, :5], np.float32) == 0)
+    assert np.all(np.isneginf(np.asarray(lse2[:, :, :5])))
+    dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q2, k2, v2)
+    for g in (dq, dk, dv):
+        assert np.all(np.isfinite(np.asarray(g, np.float32)))
+    assert np.all(np.asarray(dq[:, :5], np.float32) == 0)
+    # keys 26..30 are seen by no query (j - i <= -5 means j <= 25)
+    assert np.all(np.asarray(dk[:, 26:], np.float32) == 0)
+    assert np.all(np.asarray(dv[:, 26:], np.float32) == 0)
+
+
+def test_band_mask_matches_reference(rng):
+    """A sliding window (both band edges) against float64 truth."""
+    q, k, v = _inputs(rng, (1, 150, 130, 4, 2, 64), jnp.bfloat16)
+    lo, hi = -37, 11
+    out, lse = attention_band(q, k, v, softmax_scale=0.1, diag_lo=lo, diag_hi=hi)
+    truth_out, truth_lse, _ = reference64.forward(*_truth_inputs(q, k, v), 0.1, lo, hi)
+    plain_out, plain_lse = reference_band(
+        q, k, v, softmax_scale=0.1, diag_lo=lo, diag_hi=hi, dtype=jnp.bfloat16
+    )
+    assert_within_rule("out", out, plain_out, truth_out, jnp.bfloat16)
+    assert_within_rule("lse", lse, plain_lse, truth_lse, jnp.bfloat16)
+
+
+def test_softmax_scale_and_default(rng):
+    q, k, v = _inputs(rng, (1, 70, 90, 2, 2, 64), jnp.float32)
+    out_default = jflash.flash_attention(q, k, v)
+    out_explicit = jflash.flash_attention(q, k, v, softmax_scale=1 / 8.0)
+    np.testing.assert_array_equal(np.asarray(out_default), np.asarray(out_explicit))
+    out_scaled = jflash.flash_attention(q, k, v, softmax_scale=0.37)
+    truth, _, _ = reference64.forward(*_truth_inputs(q, k, v), 0.37, -70, 90)
+    plain = reference_band(q, k, v, softmax_scale=0.37, diag_lo=-70, diag_hi=90,
+                           dtype=plain_dtype(jnp.float32))[0]
+    assert_within_rule("out", out_scaled, plain, truth, jnp.float32)
+
+
+def test_reference_public_api_matches_truth(rng):
+    """jflash.reference.attention documents the semantics; check it too."""
+    q, k, v = _inputs(rng, (2, 37, 19, 4, 2, 32), jnp.float32)
+    out, lse = jflash.reference.attention(q, k, v, causal=True, return_lse=True)
+    truth_out, truth_lse, _ = reference64.forward(*_truth_inputs(q, k, v), 32**-0.5, -37, 19 - 37)
+    np.testing.assert_allclose(np.asarray(out), truth_out, atol=1e-5)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(truth_lse))
