@@ -6,8 +6,16 @@ as XLA FFI custom calls, differentiable through jax.custom_vjp.
 """
 
 from jflash import reference
+from jflash._src.dot_product_attention import dot_product_attention
 from jflash._src.ffi import HAS_CUDA_KERNELS
 from jflash._src.flash_attention import LSE_NAME, OUT_NAME, flash_attention
 
-__all__ = ["flash_attention", "reference", "HAS_CUDA_KERNELS", "OUT_NAME", "LSE_NAME"]
+__all__ = [
+    "flash_attention",
+    "dot_product_attention",
+    "reference",
+    "HAS_CUDA_KERNELS",
+    "OUT_NAME",
+    "LSE_NAME",
+]
 __version__ = "0.1.0"

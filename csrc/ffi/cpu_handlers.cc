@@ -44,6 +44,11 @@ ffi::Error BwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
 }  // namespace
 }  // namespace jflash
 
+// The library is built with hidden visibility; export the two handler symbols
+// that jflash/_src/ffi.py looks up.
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JflashFwdCpu(XLA_FFI_CallFrame*);
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JflashBwdCpu(XLA_FFI_CallFrame*);
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JflashFwdCpu, jflash::FwdCpu,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()  // q

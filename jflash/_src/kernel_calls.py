@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jflash._src import ffi as _ffi
+from jflash._src import sharding
 
 # Head dims the GPU kernels are instantiated for (csrc/cuda/generate_kernels.py).
 # Other head dims are zero-padded up to the next one: zero columns of q and k
@@ -81,6 +82,12 @@ def _bwd_native(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_h
         diag_hi=np.int64(diag_hi),
     )
     return dq, dk, dv
+
+
+# Under jax.jit with sharded operands, each device runs the kernels on its own
+# batch/heads shard (sharding.py has the rules and what they gather).
+_fwd_native = sharding.partitioned_fwd(_fwd_native)
+_bwd_native = sharding.partitioned_bwd(_bwd_native)
 
 
 # float32 inputs: the CPU kernel computes in float32 natively. The GPU kernels

@@ -1,0 +1,344 @@
+"""What every jflash benchmark shares: the FLOP formula, the device-side timer, records.
+
+One FLOP convention for all numbers (STYLE.md rule 7, the FlashAttention papers'):
+  forward          = 4 * batch * heads * seq_q * seq_k * head_dim   (two matmuls, 2 FLOP per MAC)
+  causal           = half of that (the masked triangle is not counted)
+  backward         = 2.5 x forward (five matmuls instead of two)
+  forward+backward = 3.5 x forward
+Softmax exps and the online-softmax rescales are not counted.
+
+Timing keeps the work on the device: one jitted lax.fori_loop runs `iterations`
+attention calls back to back, each depending on the one before (see make_loop), so
+the host launches one program and waits once; per-call time = wall time /
+iterations, median over repeats after a warm-up call. This is how the peer
+numbers in shared/PEERS.md were taken.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import platform
+import socket
+import statistics
+import subprocess
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+MODES = ("fwd", "fwdbwd")
+_MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
+
+BENCHMARKS_DIR = pathlib.Path(__file__).resolve().parent
+RESULTS_DIR = BENCHMARKS_DIR / "results"
+
+
+def attention_flops(batch, seqlen_q, seqlen_k, num_heads, head_dim, *, causal, mode="fwd"):
+    """FLOPs of one attention call under the convention above (mode: fwd, bwd, fwdbwd)."""
+    flops = 4.0 * batch * num_heads * seqlen_q * seqlen_k * head_dim
+    if causal:
+        flops /= 2
+    return flops * _MODE_FACTOR[mode]
+
+
+def tflops(flops, seconds):
+    return flops / seconds / 1e12 if seconds and seconds > 0 else None
+
+
+# --------------------------------------------------------------------------- timing
+
+# How an iteration's result reaches the next iteration's inputs.
+#   "sliver" (default): q, k, v stay the random tensors they were drawn as; one
+#     element of the result (out, or out + dq + dk + dv) is written into q[0, 0, 0, 0]
+#     (an in-place dynamic-update-slice on the loop carry, ~no memory traffic).
+#     Every call must wait for the one before, no output can be dead-code
+#     eliminated (out, dq, dk, dv are all read), and the data never drifts
+#     towards constants or zeros (METHOD.md: never time zeros).
+#   "out": the PEERS.md method taken literally. fwd: q <- out (no extra op; out
+#     is a convex mix of v rows so it stays bounded, but rows grow alike over
+#     iterations). fwdbwd: q <- dq / rms(dq), which costs one extra fused
+#     pass over q per iteration (reported as feed_ms), and dk, dv are linked
+#     in as in "sliver".
+FEEDS = ("sliver", "out")
+
+
+def _sliver(x):
+    return jax.lax.slice(x, (0,) * x.ndim, (1,) * x.ndim).astype(jnp.float32)
+
+
+def _write_sliver(q, value):
+    # Clipped so a runaway element cannot grow across iterations.
+    value = jnp.clip(value, -4.0, 4.0).astype(q.dtype)
+    return jax.lax.dynamic_update_slice(q, value, (0,) * q.ndim)
+
+
+def _unit_rms(x, dtype):
+    x = x.astype(jnp.float32)
+    return (x * jax.lax.rsqrt(jnp.mean(x * x) + 1e-30)).astype(dtype)
+
+
+def make_loop(attention: Callable, mode: str, iterations: int, feed: str = "sliver"):
+    """jit(q, k, v, cotangent) -> final carry of `iterations` dependent attention calls.
+
+    attention(q, k, v) -> out, [batch, seq, heads, head_dim]. For fwdbwd each
+    iteration is the forward plus the gradient of sum(out * cotangent) with respect
+    to q, k and v (a jax.vjp); the cotangent is a fixed random tensor (not ones,
+    which would make dv a column sum of P).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if feed not in FEEDS:
+        raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}")
+
+    def forward_backward(q, k, v, cotangent):
+        # jax.vjp rather than jax.grad of a sum: out must be used, as in training,
+        # or XLA drops the P @ V product that its own backward does not need.
+        out, vjp = jax.vjp(attention, q, k, v)
+        dq, dk, dv = vjp(cotangent.astype(out.dtype))
+        return out, dq, dk, dv
+
+    def body(_, carry):
+        q, k, v, cotangent = carry
+        if mode == "fwd":
+            out = attention(q, k, v)
+            q = out.astype(q.dtype) if feed == "out" else _write_sliver(q, _sliver(out))
+        else:
+            out, dq, dk, dv = forward_backward(q, k, v, cotangent)
+            others = _sliver(out) + _sliver(dk) + _sliver(dv)
+            if feed == "out":
+                q = _unit_rms(dq, q.dtype)
+                q = _write_sliver(q, others + _sliver(q))
+            else:
+                q = _write_sliver(q, others + _sliver(dq))
+        return q, k, v, cotangent
+
+    @jax.jit
+    def loop(q, k, v, cotangent):
+        return jax.lax.fori_loop(0, iterations, body, (q, k, v, cotangent))
+
+    return loop
+
+
+def make_feed_only_loop(mode: str, iterations: int, feed: str):
+    """The loop with attention replaced by identity, to measure what the feed costs."""
+    return make_loop(lambda q, k, v: q, mode, iterations, feed)
+
+
+def _block(tree):
+    jax.tree_util.tree_map(lambda x: x.block_until_ready(), tree)
+    return tree
+
+
+def time_loop(loop, args, *, iterations, min_repeats=3, max_repeats=20, min_total_s=0.5):
+    """Per-iteration seconds of a make_loop program: warm-up, then median of repeats.
+
+    The first call compiles and warms up (module load, autotuning, handles) and is
+    not timed. Repeats continue until both min_repeats and min_total_s are reached.
+    Returns dict(median_s, min_s, max_s, repeats, compile_s, last_carry).
+    """
+    start = time.perf_counter()
+    carry = _block(loop(*args))
+    compile_s = time.perf_counter() - start
+    times = []
+    while len(times) < max_repeats:
+        start = time.perf_counter()
+        carry = _block(loop(*args))
+        times.append((time.perf_counter() - start) / iterations)
+        if len(times) >= min_repeats and sum(times) * iterations >= min_total_s:
+            break
+    return dict(
+        median_s=statistics.median(times),
+        min_s=min(times),
+        max_s=max(times),
+        repeats=len(times),
+        compile_s=compile_s,
+        last_carry=carry,
+    )
+
+
+def check_finite_nonzero(q_final):
+    """Raises if the loop's data degenerated (NaN/inf, or all zeros): such timings lie."""
+    x = jnp.asarray(q_final, jnp.float32)
+    rms = float(jnp.sqrt(jnp.mean(x * x)))
+    if not jnp.isfinite(rms):
+        raise FloatingPointError(f"non-finite values after the timed loop (rms {rms})")
+    if rms == 0.0:
+        raise FloatingPointError("all-zero values after the timed loop")
+    return rms
+
+
+def iterations_for(flops, assumed_flops_per_s, target_s, lo=1, hi=200):
+    """Loop length so that one repeat takes about target_s at the assumed rate."""
+    n = int(round(target_s * assumed_flops_per_s / max(flops, 1.0)))
+    return max(lo, min(hi, n))
+
+
+def random_qkv(seed, batch, seqlen, num_heads, head_dim, dtype):
+    """q, k, v and a cotangent, standard normal, [batch, seq, heads, head_dim]."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    shape = (batch, seqlen, num_heads, head_dim)
+    return tuple(jax.random.normal(key, shape, jnp.float32).astype(dtype) for key in keys)
+
+
+def memory_stats(compiled):
+    """Byte counts of a compiled executable (XLA's static buffer assignment)."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    names = (
+        "temp_size_in_bytes",
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "alias_size_in_bytes",
+        "generated_code_size_in_bytes",
+    )
+    return {name: int(getattr(stats, name, 0) or 0) for name in names}
+
+
+# --------------------------------------------------------------------------- records
+
+
+def jflash_commit():
+    """git HEAD of this checkout (+'-dirty'), else $JFLASH_COMMIT, else 'unknown'.
+
+    The device machine receives a copy of the tree that may lack .git: pass
+    JFLASH_COMMIT=<sha> on the command line there.
+    """
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=BENCHMARKS_DIR,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=BENCHMARKS_DIR,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        if head:
+            return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("JFLASH_COMMIT", "unknown")
+
+
+def environment_record():
+    """Who measured what, where: attached to every results file."""
+    device = jax.devices()[0]
+    try:
+        import jflash
+
+        jflash_version = jflash.__version__
+        jflash_file = jflash.__file__
+        has_cuda = bool(jflash.HAS_CUDA_KERNELS)
+    except Exception as exc:  # recorded, not fatal: the peer rows still run
+        jflash_version, jflash_file, has_cuda = f"import failed: {exc!r}"[:300], None, None
+    return dict(
+        date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        hostname=socket.gethostname(),
+        machine=platform.machine(),
+        platform=device.platform,
+        device_kind=device.device_kind,
+        device_count=jax.device_count(),
+        cpu_count=os.cpu_count(),
+        load_average=list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        jax_version=jax.__version__,
+        jaxlib_version=jaxlib.__version__,
+        jflash_version=jflash_version,
+        jflash_file=jflash_file,
+        jflash_has_cuda_kernels=has_cuda,
+        jflash_commit=jflash_commit(),
+    )
+
+
+def slug(text):
+    return "".join(ch if ch.isalnum() else "-" for ch in str(text)).strip("-").lower()
+
+
+def default_results_path(prefix, device_name):
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return RESULTS_DIR / f"{prefix}_{slug(device_name)}_{date}.json"
+
+
+def write_json(path, payload):
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    return path
+
+
+def format_table(headers, rows):
+    """Plain aligned text table; None prints as '-'."""
+    cells = [[("-" if c is None else str(c)) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = "  ".join(h.rjust(w) for h, w in zip(headers, widths))
+    out = [line, "-" * len(line)]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join(out)
+
+
+def fmt(x, digits=1):
+    return None if x is None else f"{x:.{digits}f}"
+
+
+# --------------------------------------------------------------------------- correctness
+
+
+def _reference_attention(q, k, v, causal):
+    """Plain-jnp float32 attention, [batch, seq, heads, head_dim]; top-left causal.
+
+    Kept here rather than imported from jflash.reference so that the peer rows are
+    checked even when jflash fails to import. Sq == Sk in every benchmark, where
+    top-left and jflash's bottom-right causal masks coincide.
+    """
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
+    if causal:
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        visible = jnp.arange(seqlen_k)[None, :] <= jnp.arange(seqlen_q)[:, None]
+        scores = jnp.where(visible, scores, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def relative_errors(attention, q, k, v, cotangent, *, causal, mode, num_heads=1):
+    """||impl - ref|| / ||ref|| on batch 0 and the first num_heads heads.
+
+    A slice keeps the float32 reference's seq x seq scores small (1 GiB at 16k).
+    fwd: {"out": e}; fwdbwd: also "dq", "dk", "dv".
+    """
+    sl = lambda x: x[:1, :, :num_heads, :]
+    q, k, v, cotangent = map(sl, (q, k, v, cotangent))
+
+    def run(fn, dtype):
+        args = [x.astype(dtype) for x in (q, k, v)]
+        if mode == "fwd":
+            return {"out": fn(*args)}
+        out, vjp = jax.vjp(fn, *args)
+        dq, dk, dv = vjp(cotangent.astype(out.dtype))
+        return {"out": out, "dq": dq, "dk": dk, "dv": dv}
+
+    got = jax.jit(lambda: run(attention, q.dtype))()
+    ref = jax.jit(lambda: run(lambda *a: _reference_attention(*a, causal), jnp.float32))()
+    errors = {}
+    for name, r in ref.items():
+        g = got[name].astype(jnp.float32)
+        if not bool(jnp.all(jnp.isfinite(g))):
+            errors[name] = float("nan")
+            continue
+        errors[name] = float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r))
+    return errors
+
+
+def fmt_rate(x):
+    """A rate with one decimal from 10 up, three significant digits below."""
+    return None if x is None else (f"{x:.1f}" if x >= 10 else f"{x:.3g}")

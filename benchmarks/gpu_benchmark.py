@@ -1,0 +1,233 @@
+"""jflash on GPU against jax's cuDNN attention (the peer) and XLA's: the FA3 paper grid.
+
+Grid (FlashAttention-3, section 4.1): head_dim 64/128/256; seq 512..16k;
+batch = 16384 / seq (16k tokens); num_heads = 2048 / head_dim; causal and not;
+forward and forward+backward; bfloat16. Every row times jflash,
+jax.nn.dot_product_attention(implementation="cudnn") and implementation="xla"
+(the last only where its [batch, heads, seq, seq] float32 scores fit, --xla-max-gb).
+
+  PYENV_VERSION=3.12.1 python3 -P benchmarks/gpu_benchmark.py --quick
+  python3 -P benchmarks/gpu_benchmark.py --head-dims 128 --seqs 4096 16384 --causal no \
+      --modes fwd --out $OUT/gpu.json --time-budget-s 480
+
+TFLOP/s use common.attention_flops (fwd 4*B*H*S*S*D, halved for causal;
+fwd+bwd 3.5x fwd). A failing impl or row is recorded and the run goes on.
+--allow-cpu runs the same logic on a CPU (tiny sizes; cuDNN rows 'unavailable').
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+import traceback
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+IMPLS = ("jflash", "cudnn", "xla")
+PAPER_HEAD_DIMS = (64, 128, 256)
+PAPER_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+QUICK = dict(head_dims=[128], seqs=[1024, 4096, 16384])
+
+# Rough rates, only to pick how many calls one timed loop chains (~--target-ms per
+# repeat); a wrong guess changes the loop length, not the measurement.
+_ASSUMED_FLOPS_PER_S = {"gpu": {"jflash": 4e14, "cudnn": 4e14, "xla": 1e14}, "cpu": 3e10}
+
+
+class Unavailable(Exception):
+    """The impl cannot run here (no GPU for cuDNN, too much memory for XLA): not an error."""
+
+
+def attention_fn(impl, causal, platform):
+    import jax
+
+    if impl == "jflash":
+        import jflash
+
+        if platform == "gpu" and not jflash.HAS_CUDA_KERNELS:
+            raise Unavailable("this jflash build has no CUDA kernels (built with JFLASH_CUDA=OFF?)")
+        return lambda q, k, v: jflash.flash_attention(q, k, v, causal=causal)
+    if impl == "cudnn":
+        if platform != "gpu":
+            raise Unavailable(f"cuDNN attention needs a CUDA GPU; running on {platform}")
+        return lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"
+        )
+    if impl == "xla":
+        return lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="xla"
+        )
+    raise ValueError(f"unknown impl {impl!r}")
+
+
+def grid(args):
+    for head_dim in args.head_dims:
+        for seq in args.seqs:
+            batch = max(1, args.tokens // seq)
+            heads = max(1, args.model_dim // head_dim)
+            yield head_dim, seq, batch, heads
+
+
+def run_one(impl, shape, causal, mode, inputs, args, platform):
+    head_dim, seq, batch, heads = shape
+    rec = dict(impl=impl, head_dim=head_dim, seq=seq, batch=batch, heads=heads,
+               causal=causal, mode=mode, dtype=args.dtype, feed=args.feed)
+    flops = common.attention_flops(batch, seq, seq, heads, head_dim, causal=causal, mode=mode)
+    rec["flops"] = flops
+    try:
+        if impl == "xla":
+            scores_gb = batch * heads * seq * seq * 4 / 1e9
+            if scores_gb > args.xla_max_gb:
+                raise Unavailable(f"skipped: S x S float32 scores need {scores_gb:.3g} GB "
+                                  f"> --xla-max-gb {args.xla_max_gb}")
+        attention = attention_fn(impl, causal, platform)
+        if not args.no_check:
+            rec["rel_err"] = common.relative_errors(
+                attention, *inputs, causal=causal, mode=mode
+            )
+        rate = _ASSUMED_FLOPS_PER_S[platform][impl] if platform == "gpu" else _ASSUMED_FLOPS_PER_S["cpu"]
+        iterations = common.iterations_for(flops, rate, args.target_ms / 1e3, hi=args.max_iterations)
+        loop = common.make_loop(attention, mode, iterations, args.feed)
+        timing = common.time_loop(loop, inputs, iterations=iterations, min_repeats=args.repeats,
+                                  max_repeats=max(args.repeats, 30), min_total_s=args.min_total_s)
+        rec["final_q_rms"] = common.check_finite_nonzero(timing.pop("last_carry")[0])
+        rec.update(timing, iterations=iterations)
+        rec["tflops"] = common.tflops(flops, timing["median_s"])
+        rec["status"] = "ok"
+    except Unavailable as exc:
+        rec["status"] = "unavailable"
+        rec["note"] = str(exc)
+    except Exception as exc:  # recorded; the other impls and rows still run
+        rec["status"] = "error"
+        rec["note"] = f"{type(exc).__name__}: {exc}"[:1500]
+        rec["traceback"] = traceback.format_exc()[-4000:]
+    return rec
+
+
+def summary_table(records):
+    """One line per (head_dim, seq, causal, mode): TFLOP/s of each impl, jflash/cuDNN."""
+    rows = {}
+    for r in records:
+        key = (r["head_dim"], r["seq"], r["causal"], r["mode"])
+        rows.setdefault(key, {"batch": r["batch"], "heads": r["heads"]})[r["impl"]] = r
+    table, notes = [], {}  # note text -> rows it applies to
+    for (head_dim, seq, causal, mode), cell in rows.items():
+        def tf(impl):
+            r = cell.get(impl)
+            if r is None:
+                return None
+            if r["status"] != "ok":
+                text = f"{impl} {r['status']}: {r.get('note', '')[:200]}"
+                notes.setdefault(text, []).append(
+                    f"D{head_dim} S{seq} {'causal' if causal else 'full'} {mode}")
+                return {"error": "ERR", "unavailable": "n/a", "not run": "not run"}.get(r["status"], "?")
+            return common.fmt_rate(r["tflops"])
+        j, c = cell.get("jflash"), cell.get("cudnn")
+        ratio = None
+        if j and c and j["status"] == c["status"] == "ok":
+            ratio = f"{j['tflops'] / c['tflops']:.2f}"
+        def err(impl):
+            errors = (cell.get(impl) or {}).get("rel_err")
+            return f"{max(errors.values()):.1e}" if errors else None
+
+        table.append([head_dim, seq, cell["batch"], cell["heads"], "yes" if causal else "no", mode,
+                      tf("jflash"), tf("cudnn"), tf("xla"), ratio, err("jflash"), err("cudnn")])
+    headers = ["D", "seq", "B", "H", "causal", "mode", "jflash", "cudnn", "xla",
+               "jflash/cudnn", "jflash err", "cudnn err"]
+    lines = []
+    for text, where in notes.items():
+        scope = where[0] if len(where) == 1 else f"{len(where)} rows, first {where[0]}"
+        lines.append(f"{text} [{scope}]")
+    return common.format_table(headers, table), lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=list(PAPER_HEAD_DIMS))
+    parser.add_argument("--seqs", type=int, nargs="+", default=list(PAPER_SEQS))
+    parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    parser.add_argument("--modes", default="fwd,fwdbwd", help="comma list of fwd,fwdbwd")
+    parser.add_argument("--impls", default=",".join(IMPLS), help="comma list of jflash,cudnn,xla")
+    parser.add_argument("--quick", action="store_true",
+                        help="head dim 128, seq 1k/4k/16k (overrides --head-dims/--seqs)")
+    parser.add_argument("--tokens", type=int, default=16384, help="batch = tokens / seq")
+    parser.add_argument("--model-dim", type=int, default=2048, help="heads = model_dim / head_dim")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--xla-max-gb", type=float, default=8.0)
+    parser.add_argument("--feed", default="sliver", choices=common.FEEDS,
+                        help="how one call's result reaches the next (common.py)")
+    parser.add_argument("--target-ms", type=float, default=50.0, help="length of one timed loop")
+    parser.add_argument("--max-iterations", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5, help="at least this many timed loops")
+    parser.add_argument("--min-total-s", type=float, default=0.25)
+    parser.add_argument("--no-check", action="store_true", help="skip the fp32 reference check")
+    parser.add_argument("--time-budget-s", type=float, default=0,
+                        help="start no new row after this many seconds (0: no limit)")
+    parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU (logic test)")
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.head_dims, args.seqs = QUICK["head_dims"], QUICK["seqs"]
+    impls = [i for i in args.impls.split(",") if i]
+    modes = [m for m in args.modes.split(",") if m]
+    for name, values, allowed in (("--impls", impls, IMPLS), ("--modes", modes, common.MODES)):
+        if not values or set(values) - set(allowed):
+            parser.error(f"{name} takes a comma list of {','.join(allowed)}")
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+
+    import jax
+
+    platform = jax.devices()[0].platform
+    if platform != "gpu" and not args.allow_cpu:
+        parser.error(f"no GPU found (jax platform {platform}); pass --allow-cpu to test the logic")
+
+    started = time.perf_counter()
+    env = common.environment_record()
+    out = args.out or common.default_results_path("gpu", env["device_kind"])
+    print(f"{env['device_kind']}, jax {env['jax_version']}, jflash {env['jflash_commit']}, "
+          f"jflash CUDA kernels: {env['jflash_has_cuda_kernels']}; results -> {out}", flush=True)
+    payload = dict(benchmark="gpu", environment=env,
+                   args={k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+                   flop_convention="fwd 4*B*H*Sq*Sk*D, /2 causal; fwdbwd 3.5x fwd",
+                   records=[])
+    records = payload["records"]
+    for shape in grid(args):
+        head_dim, seq, batch, heads = shape
+        out_of_time = args.time_budget_s and time.perf_counter() - started > args.time_budget_s
+        inputs = None
+        if not out_of_time:
+            inputs = common.random_qkv(seq + head_dim, batch, seq, heads, head_dim, args.dtype)
+        for causal in causals:
+            for mode in modes:
+                for impl in impls:
+                    out_of_time = args.time_budget_s and (
+                        time.perf_counter() - started > args.time_budget_s)
+                    if out_of_time or inputs is None:
+                        rec = dict(impl=impl, head_dim=head_dim, seq=seq, batch=batch, heads=heads,
+                                   causal=causal, mode=mode, dtype=args.dtype,
+                                   status="not run", note="--time-budget-s reached")
+                    else:
+                        rec = run_one(impl, shape, causal, mode, inputs, args, platform)
+                    records.append(rec)
+                    common.write_json(out, payload)  # after every record: a killed run keeps its rows
+                    what = (f"{common.fmt_rate(rec['tflops']):>7s} TFLOP/s  "
+                            f"{rec['median_s'] * 1e3:8.3f} ms  x{rec['iterations']}"
+                            if rec["status"] == "ok" else f"{rec['status']}: {rec.get('note', '')[:120]}")
+                    print(f"[{time.perf_counter() - started:6.1f}s] D{head_dim} S{seq} B{batch} H{heads} "
+                          f"{'causal' if causal else 'full  '} {mode:6s} {impl:6s} {what}", flush=True)
+        del inputs
+
+    table, notes = summary_table(records)
+    print(f"\nresults: {out}")
+    if notes:
+        print("notes:\n  " + "\n  ".join(notes))
+    print(f"{env['device_kind']} | jax {env['jax_version']} | jflash {env['jflash_commit'][:12]} | "
+          f"{args.dtype} | TFLOP/s (fwd 4BHS^2D, causal /2, fwd+bwd 3.5x) | feed {args.feed}")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

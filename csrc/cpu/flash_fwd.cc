@@ -1,0 +1,168 @@
+// CPU forward: out, lse = attention(q, k, v), FlashAttention-2 Algorithm 1.
+//
+// One task = one block of queries of one (batch, head). It walks the key range
+// that the mask policy gives for the block, one key tile at a time, keeping a
+// running max and sum per query and rescaling the output accumulator once per
+// tile. Working memory is one set of tiles per thread (thread_scratch), never a
+// seqlen_q x seqlen_k buffer; every accumulation is float32.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "cpu/flash_cpu.h"
+#include "cpu/thread_pool.h"
+#include "cpu/tile_math.h"
+
+namespace jflash::cpu {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Online softmax over one key tile, per query lane (Algorithm 1, lines 8-10):
+//   m' = max(m, max_j s_t[j]),  rescale = exp(m - m'),
+//   p_t[j] = exp(s_t[j] - m'),  l' = rescale * l + sum_j p_t[j].
+// s_t [k_pad, q_pad] is overwritten by p_t; row_max/row_sum/row_rescale: [q_pad].
+template <class T>
+JFLASH_INLINE void softmax_update(float* s_t, int k_pad, int q_pad, float* row_max,
+                                  float* row_sum, float* row_rescale) {
+  using V = typename T::Vec;
+  for (int i = 0; i < q_pad; i += T::kLanes) {
+    V tile_max = splat<V>(kNegInf);
+    for (int j = 0; j < k_pad; ++j) tile_max = vmax(tile_max, load_vec<V>(s_t + j * q_pad + i));
+    const V max_old = load_vec<V>(row_max + i);
+    const V max_new = vmax(max_old, tile_max);
+    // A query that has seen no key yet has max -inf; subtract 0 instead, since
+    // -inf - -inf = NaN. Its probabilities are exp(-inf) = 0 either way.
+    const V max_safe = max_new == kNegInf ? V{} : max_new;
+    const V rescale = exp_vec<T>(max_old - max_safe);
+    V sum = V{};
+    for (int j = 0; j < k_pad; ++j) {
+      const V p = exp_vec<T>(load_vec<V>(s_t + j * q_pad + i) - max_safe);
+      store_vec(s_t + j * q_pad + i, p);
+      sum += p;
+    }
+    store_vec(row_max + i, max_new);
+    store_vec(row_sum + i, rescale * load_vec<V>(row_sum + i) + sum);
+    store_vec(row_rescale + i, rescale);
+  }
+}
+
+template <class T>
+JFLASH_INLINE void fwd_block(const FwdParams& params, int64_t task) {
+  constexpr int block_q = T::kFwdBlockQ;
+  constexpr int block_k = T::kFwdBlockK;
+  const int num_q_blocks = (params.seqlen_q + block_q - 1) / block_q;
+  // Last query blocks first: under a causal mask they see the most keys, and
+  // handing out the longest tasks first keeps the dynamic schedule balanced.
+  const int q_block = num_q_blocks - 1 - static_cast<int>(task % num_q_blocks);
+  const int64_t head = (task / num_q_blocks) % params.num_heads;
+  const int64_t batch = task / num_q_blocks / params.num_heads;
+  const int64_t kv_head = head / params.heads_per_kv;
+
+  const int64_t q0 = int64_t{q_block} * block_q;
+  const int q_rows = static_cast<int>(std::min<int64_t>(block_q, params.seqlen_q - q0));
+  const int q_pad = round_up(q_rows, T::kAlign);
+  const int head_dim = params.head_dim;
+  const int d_pad = padded_head_dim<T>(head_dim);
+
+  float* q_t = thread_scratch(3 * size_t(q_pad) + 2 * size_t(q_pad + block_k) * d_pad +
+                              size_t(block_k) * q_pad);  // [d_pad, q_pad]
+  float* k_tile = q_t + d_pad * q_pad;                    // [block_k, d_pad]
+  float* v_tile = k_tile + block_k * d_pad;               // [block_k, d_pad]
+  float* s_t = v_tile + block_k * d_pad;                  // [block_k, q_pad] scores, then P
+  float* o = s_t + block_k * q_pad;                       // [q_pad, d_pad] unnormalized out
+  float* row_max = o + q_pad * d_pad;                     // [q_pad]
+  float* row_sum = row_max + q_pad;                       // [q_pad]
+  float* row_rescale = row_sum + q_pad;                   // [q_pad]
+
+  // q_t[c][i] = softmax_scale * q[q0 + i][c]: scaling q once scales every score.
+  const TileRef q_ref{params.q, params.dtype,
+                      batch * params.q_batch_stride + q0 * params.q_row_stride +
+                          head * params.q_head_stride,
+                      params.q_row_stride};
+  load_tile_transposed(q_ref, q_rows, head_dim, q_pad, d_pad, params.softmax_scale, q_t, q_pad);
+  std::fill(o, o + q_pad * d_pad, 0.0f);
+  std::fill(row_max, row_max + q_pad, kNegInf);
+  std::fill(row_sum, row_sum + q_pad, 0.0f);
+
+  // Keys outside [key_begin, key_end) are masked for every query of the block.
+  const BandMask& mask = params.mask;
+  const int64_t key_begin = mask.key_begin(q0);
+  const int64_t key_end = mask.key_end(q0 + q_rows, params.seqlen_k);
+  for (int64_t k0 = key_begin; k0 < key_end; k0 += block_k) {
+    const int k_rows = static_cast<int>(std::min<int64_t>(block_k, key_end - k0));
+    const int k_pad = round_up(k_rows, T::kRows);
+    const int64_t k_offset = batch * params.k_batch_stride + k0 * params.k_row_stride +
+                             kv_head * params.k_head_stride;
+    const int64_t v_offset = batch * params.v_batch_stride + k0 * params.v_row_stride +
+                             kv_head * params.v_head_stride;
+    load_tile({params.k, params.dtype, k_offset, params.k_row_stride}, k_rows, head_dim, k_pad,
+              d_pad, 1.0f, k_tile, d_pad);
+    load_tile({params.v, params.dtype, v_offset, params.v_row_stride}, k_rows, head_dim, k_pad,
+              d_pad, 1.0f, v_tile, d_pad);
+
+    // S^T = K (scale Q)^T: [k_pad, q_pad]
+    gemm<T, Accumulate::kOverwrite>(k_pad, q_pad, d_pad, k_tile, d_pad, 1, q_t, q_pad, s_t,
+                                    q_pad);
+    if (!mask.tile_all_visible(q0, q0 + q_rows, k0, k0 + k_rows) || k_rows != k_pad) {
+      mask_scores(mask, params.seqlen_q, q0, q_pad, k0, k_rows, k_pad, s_t);
+    }
+    softmax_update<T>(s_t, k_pad, q_pad, row_max, row_sum, row_rescale);
+    // O = rescale * O + P V: [q_pad, d_pad]; a(i, j) = p_t[j][i].
+    gemm<T, Accumulate::kScaleAdd>(q_pad, d_pad, k_pad, s_t, 1, q_pad, v_tile, d_pad, o, d_pad,
+                                   row_rescale);
+  }
+
+  // out = O / l and lse = m + log l; a query that saw no key gets 0 and -inf.
+  float* lse = params.lse + (batch * params.num_heads + head) * params.seqlen_q + q0;
+  for (int i = 0; i < q_rows; ++i) {
+    const float sum = row_sum[i];
+    const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
+    lse[i] = sum > 0.0f ? row_max[i] + std::log(sum) : kNegInf;
+    for (int c = 0; c < head_dim; ++c) o[i * d_pad + c] *= inv_sum;
+  }
+  store_tile(o, d_pad, q_rows, head_dim, 1.0f, params.dtype, params.out,
+             batch * params.out_batch_stride + q0 * params.out_row_stride +
+                 head * params.out_head_stride,
+             params.out_row_stride);
+}
+
+// One non-template entry per row of the tile table, compiled for its instruction set.
+#if JFLASH_X86
+JFLASH_TARGET_AVX512 void fwd_block_avx512(const FwdParams& params, int64_t task) {
+  fwd_block<Avx512Tiles>(params, task);
+}
+JFLASH_TARGET_AVX2 void fwd_block_avx2(const FwdParams& params, int64_t task) {
+  fwd_block<Avx2Tiles>(params, task);
+}
+#endif
+void fwd_block_baseline(const FwdParams& params, int64_t task) {
+  fwd_block<BaselineTiles>(params, task);
+}
+
+template <class T>
+int64_t num_fwd_tasks(const FwdParams& params) {
+  return int64_t{params.batch} * params.num_heads *
+         ((params.seqlen_q + T::kFwdBlockQ - 1) / T::kFwdBlockQ);
+}
+
+}  // namespace
+
+void flash_fwd(const FwdParams& params) {
+  switch (cpu_tiles()) {
+#if JFLASH_X86
+    case CpuTiles::kAvx512:
+      return parallel_for(num_fwd_tasks<Avx512Tiles>(params),
+                          [&](int64_t task) { fwd_block_avx512(params, task); });
+    case CpuTiles::kAvx2:
+      return parallel_for(num_fwd_tasks<Avx2Tiles>(params),
+                          [&](int64_t task) { fwd_block_avx2(params, task); });
+#endif
+    default:
+      return parallel_for(num_fwd_tasks<BaselineTiles>(params),
+                          [&](int64_t task) { fwd_block_baseline(params, task); });
+  }
+}
+
+}  // namespace jflash::cpu

@@ -1,0 +1,99 @@
+#include "cpu/thread_pool.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace jflash::cpu {
+namespace {
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(int num_threads) {
+    for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  }
+
+  void ParallelFor(int64_t count, const std::function<void(int64_t)>& body) {
+    if (count <= 0) return;
+    // One job at a time: XLA may run two jflash custom calls concurrently.
+    std::lock_guard<std::mutex> job_lock(job_mutex_);
+    if (count == 1 || workers_.empty()) {
+      for (int64_t i = 0; i < count; ++i) body(i);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      body_ = &body;
+      count_ = count;
+      next_.store(0, std::memory_order_relaxed);
+      busy_workers_ = static_cast<int>(workers_.size());
+      ++generation_;
+    }
+    wake_.notify_all();
+    RunTasks(body, count);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [this] { return busy_workers_ == 0; });
+    body_ = nullptr;
+  }
+
+ private:
+  void RunTasks(const std::function<void(int64_t)>& body, int64_t count) {
+    for (int64_t i = next_.fetch_add(1, std::memory_order_relaxed); i < count;
+         i = next_.fetch_add(1, std::memory_order_relaxed)) {
+      body(i);
+    }
+  }
+
+  void WorkerLoop() {
+    uint64_t seen_generation = 0;
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [&] { return generation_ != seen_generation; });
+      seen_generation = generation_;
+      const std::function<void(int64_t)>& body = *body_;
+      const int64_t count = count_;
+      lock.unlock();
+      RunTasks(body, count);
+      lock.lock();
+      if (--busy_workers_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex job_mutex_;
+  std::mutex mutex_;  // guards the job description below and busy_workers_
+  std::condition_variable wake_;
+  std::condition_variable done_;
+  uint64_t generation_ = 0;
+  const std::function<void(int64_t)>* body_ = nullptr;
+  int64_t count_ = 0;
+  std::atomic<int64_t> next_{0};
+  int busy_workers_ = 0;
+  std::vector<std::thread> workers_;
+};
+
+ThreadPool& Pool() {
+  // Never destroyed: workers stay parked in WorkerLoop until the process exits,
+  // and joining them from a static destructor would race with exit().
+  static ThreadPool* pool = new ThreadPool(
+      std::thread::hardware_concurrency() > 0 ? std::thread::hardware_concurrency() : 1);
+  return *pool;
+}
+
+}  // namespace
+
+void parallel_for(int64_t count, const std::function<void(int64_t)>& body) {
+  Pool().ParallelFor(count, body);
+}
+
+float* thread_scratch(size_t floats) {
+  constexpr size_t kAlignFloats = 64 / sizeof(float);
+  thread_local std::vector<float> buffer;
+  if (buffer.size() < floats + kAlignFloats) buffer.resize(floats + kAlignFloats);
+  const auto address = reinterpret_cast<uintptr_t>(buffer.data());
+  return reinterpret_cast<float*>((address + 63) & ~uintptr_t{63});
+}
+
+}  // namespace jflash::cpu

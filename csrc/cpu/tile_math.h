@@ -1,0 +1,460 @@
+// Building blocks shared by the CPU forward and backward kernels: the tile-size
+// table, float32 vector helpers, a vectorized exp, the register-blocked GEMM
+// micro-kernel, and dtype conversion when tiles are loaded and stored.
+//
+// Vectors are GCC/Clang generic vector types (vector_size), not intrinsics: the
+// compiler lowers them to whatever instruction set the enclosing function is
+// compiled for. Each kernel is compiled once per entry of the tile table below,
+// inside a function carrying that entry's target attribute, and the fastest one
+// the CPU supports is picked at run time (cpu_tiles()). Every helper here is
+// always_inline so that it is compiled for the caller's instruction set.
+//
+// Tile layout used by both kernels (why: no tile is ever transposed in the inner
+// loops): queries sit along vector lanes. Scores are held transposed,
+// s_t[key][query], computed as k_tile [keys, d] x q_t [d, queries], so the
+// per-query softmax statistics (max, sum, lse, delta) are plain lane-wise vector
+// ops down the key axis, with no horizontal reductions.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include "jflash/params.h"
+
+// The helpers return vectors by value, but they are always inlined, so no call
+// ever crosses an ABI boundary with a vector in a register.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#define JFLASH_INLINE inline __attribute__((always_inline))
+
+#if defined(__x86_64__) || defined(__i386__)
+#define JFLASH_X86 1
+#define JFLASH_TARGET_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")))
+#define JFLASH_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#else
+#define JFLASH_X86 0
+#endif
+
+namespace jflash::cpu {
+
+// ---- Tile-size table ----------------------------------------------------------
+//
+// kRows x (kColVecs * kLanes) is the micro-kernel's register tile (MR x NR): the
+// accumulators plus one row of B and a broadcast must fit the register file.
+//   AVX-512: 8 x 32 -> 16 accumulators + 2 + 1 of 32 zmm.
+//   AVX2:    6 x 16 -> 12 accumulators + 2 + 1 of 16 ymm (the BLIS Haswell shape).
+//   SSE2:    4 x 8  ->  8 accumulators + 2 + 1 of 16 xmm (x86-64 baseline).
+// Query and key blocks are multiples of kAlign = lcm(MR, NR) because queries are
+// both the NR axis of s_t and the MR axis of the o/dq GEMMs, keys the MR axis of
+// s_t and dk/dv.
+// Block sizes: the forward working set (q_t, k, v, s_t, o at d = 64) is
+// (2 * block_q + 2 * block_k) * 64 * 4 + block_k * block_q * 4 bytes: 128 x 64
+// is 128 KiB, inside a 1-2 MiB L2 with the micro-panels (d x NR, block_k x NR,
+// 8 KiB) streaming from L1; the K/V load and conversion is amortized over 128
+// queries. Measured on a 2-core Zen 4 (seq 4096, d 64, float32): 128 x 64 beat
+// 64 x 64 by ~10% and 128 x 128 / 256 x 64 by ~3%. The backward keeps six
+// d-wide tiles live, so it uses 64 x 64.
+struct Avx512Tiles {
+  typedef float Vec __attribute__((vector_size(64)));
+  typedef int32_t IntVec __attribute__((vector_size(64)));
+  static constexpr int kLanes = 16;
+  static constexpr int kRows = 8;
+  static constexpr int kColVecs = 2;
+  static constexpr int kAlign = 32;
+  static constexpr int kFwdBlockQ = 128;
+  static constexpr int kFwdBlockK = 64;
+  static constexpr int kBwdBlockQ = 64;
+  static constexpr int kBwdBlockK = 64;
+};
+
+struct Avx2Tiles {
+  typedef float Vec __attribute__((vector_size(32)));
+  typedef int32_t IntVec __attribute__((vector_size(32)));
+  static constexpr int kLanes = 8;
+  static constexpr int kRows = 6;
+  static constexpr int kColVecs = 2;
+  static constexpr int kAlign = 48;
+  static constexpr int kFwdBlockQ = 96;
+  static constexpr int kFwdBlockK = 96;
+  static constexpr int kBwdBlockQ = 48;
+  static constexpr int kBwdBlockK = 96;
+};
+
+struct BaselineTiles {
+  typedef float Vec __attribute__((vector_size(16)));
+  typedef int32_t IntVec __attribute__((vector_size(16)));
+  static constexpr int kLanes = 4;
+  static constexpr int kRows = 4;
+  static constexpr int kColVecs = 2;
+  static constexpr int kAlign = 8;
+  static constexpr int kFwdBlockQ = 64;
+  static constexpr int kFwdBlockK = 64;
+  static constexpr int kBwdBlockQ = 64;
+  static constexpr int kBwdBlockK = 64;
+};
+
+enum class CpuTiles { kBaseline, kAvx2, kAvx512 };
+
+// The widest entry of the table this CPU supports, detected once. The
+// environment variable JFLASH_CPU_ISA=avx2|baseline caps it, so that tests can
+// exercise the narrower kernels on any machine.
+inline CpuTiles cpu_tiles() {
+  static const CpuTiles tiles = [] {
+    const char* cap = std::getenv("JFLASH_CPU_ISA");
+    const bool allow_avx512 = cap == nullptr || std::strcmp(cap, "avx512") == 0;
+    const bool allow_avx2 = allow_avx512 || std::strcmp(cap, "avx2") == 0;
+#if JFLASH_X86
+    if (allow_avx512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("fma")) {
+      return CpuTiles::kAvx512;
+    }
+    if (allow_avx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      return CpuTiles::kAvx2;
+    }
+#else
+    (void)allow_avx2;
+#endif
+    return CpuTiles::kBaseline;
+  }();
+  return tiles;
+}
+
+// Columns of a float32 tile holding head_dim values: a whole number of register
+// tiles, zero-padded. Kernel head dims (multiples of 32) need no padding.
+template <class T>
+constexpr int padded_head_dim(int head_dim) {
+  constexpr int nr = T::kColVecs * T::kLanes;
+  return (head_dim + nr - 1) / nr * nr;
+}
+
+constexpr int round_up(int x, int multiple) { return (x + multiple - 1) / multiple * multiple; }
+
+// ---- Vector helpers -------------------------------------------------------------
+
+template <class V>
+JFLASH_INLINE V load_vec(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+template <class V>
+JFLASH_INLINE void store_vec(float* p, const V& v) {
+  std::memcpy(p, &v, sizeof(V));
+}
+
+template <class V>
+JFLASH_INLINE V splat(float x) {
+  return V{} + x;
+}
+
+template <class V>
+JFLASH_INLINE V vmax(const V& a, const V& b) {
+  return a > b ? a : b;
+}
+
+// exp(x), within ~1 ulp (Cephes expf: Cody-Waite reduction x = n ln2 + r with
+// |r| <= ln2 / 2, degree-6 polynomial, 2^n built in the exponent bits). Below
+// ln(FLT_MIN) it returns exactly 0 rather than a subnormal, so exp(-inf) = 0,
+// which masking relies on. NaN propagates.
+template <class T>
+JFLASH_INLINE typename T::Vec exp_vec(const typename T::Vec& arg) {
+  using V = typename T::Vec;
+  using IntVec = typename T::IntVec;
+  constexpr float kMinArg = -87.33654475f;  // -126 ln2: 2^n stays a normal float
+  constexpr float kMaxArg = 88.37626266f;   // 127.5 ln2: 2^n stays finite
+  constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: x + magic rounds x to an integer
+  const IntVec underflow = arg < kMinArg;
+  V x = arg < kMinArg ? splat<V>(kMinArg) : arg;
+  x = x > kMaxArg ? splat<V>(kMaxArg) : x;
+  const V shifted = x * 1.44269504088896341f + kRoundMagic;
+  const V n = shifted - kRoundMagic;
+  // The integer n sits in the low mantissa bits of `shifted`.
+  const IntVec n_int = (IntVec)shifted - (IntVec)splat<V>(kRoundMagic);
+  // ln2 = 0.693359375 - 2.12194440e-4; the first part has 9 bits, so n * it is exact.
+  V r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  V y = splat<V>(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const V result = (V)((IntVec)y + (n_int << 23));
+  return underflow ? V{} : result;
+}
+
+// ---- Register-blocked GEMM ---------------------------------------------------------
+
+// How a GEMM combines with what c already holds.
+enum class Accumulate {
+  kOverwrite,  // c = a b
+  kAdd,        // c += a b
+  kScaleAdd,   // c = row_scale[r] * c + a b (the online-softmax rescale of o)
+};
+
+// c[MR x NR] (op)= a[MR x depth] b[depth x NR] for one register tile.
+// a(r, p) = a[r * a_row_stride + p * a_col_stride]: any layout, one broadcast
+// per element. b: depth rows of NR contiguous floats, ldb apart. The product is
+// summed from zero and added to c at the end: a blocked sum, whose rounding
+// error grows with depth + number of tiles rather than with their product.
+template <class T, Accumulate mode>
+JFLASH_INLINE void micro_tile(const float* a, int64_t a_row_stride, int64_t a_col_stride,
+                              const float* b, int64_t ldb, int depth, float* c, int64_t ldc,
+                              const float* row_scale) {
+  using V = typename T::Vec;
+  constexpr int kRows = T::kRows, kColVecs = T::kColVecs, kLanes = T::kLanes;
+  V acc[kRows][kColVecs];
+#pragma GCC unroll 16
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 16
+    for (int v = 0; v < kColVecs; ++v) acc[r][v] = V{};
+  }
+  for (int p = 0; p < depth; ++p) {
+    V b_row[kColVecs];
+#pragma GCC unroll 16
+    for (int v = 0; v < kColVecs; ++v) b_row[v] = load_vec<V>(b + p * ldb + v * kLanes);
+#pragma GCC unroll 16
+    for (int r = 0; r < kRows; ++r) {
+      const float a_rp = a[r * a_row_stride + p * a_col_stride];
+#pragma GCC unroll 16
+      for (int v = 0; v < kColVecs; ++v) acc[r][v] += a_rp * b_row[v];
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 16
+    for (int v = 0; v < kColVecs; ++v) {
+      float* c_rv = c + r * ldc + v * kLanes;
+      if constexpr (mode == Accumulate::kAdd) {
+        acc[r][v] += load_vec<V>(c_rv);
+      } else if constexpr (mode == Accumulate::kScaleAdd) {
+        acc[r][v] += row_scale[r] * load_vec<V>(c_rv);
+      }
+      store_vec(c_rv, acc[r][v]);
+    }
+  }
+}
+
+// c[rows x cols] (op)= a[rows x depth] b[depth x cols]; rows a multiple of MR,
+// cols of NR. Column panels outermost: the depth x NR panel of b stays in L1
+// while every row tile of a passes over it.
+template <class T, Accumulate mode>
+JFLASH_INLINE void gemm(int rows, int cols, int depth, const float* a, int64_t a_row_stride,
+                        int64_t a_col_stride, const float* b, int64_t ldb, float* c, int64_t ldc,
+                        const float* row_scale = nullptr) {
+  constexpr int kCols = T::kColVecs * T::kLanes;
+  for (int c0 = 0; c0 < cols; c0 += kCols) {
+    for (int r0 = 0; r0 < rows; r0 += T::kRows) {
+      micro_tile<T, mode>(a + r0 * a_row_stride, a_row_stride, a_col_stride, b + c0, ldb, depth,
+                          c + r0 * ldc + c0, ldc,
+                          mode == Accumulate::kScaleAdd ? row_scale + r0 : nullptr);
+    }
+  }
+}
+
+// ---- Masking ----------------------------------------------------------------------
+
+// s_t[j][i] = -inf where query q0 + i cannot see key k0 + j, and for padding keys
+// k_rows <= j < k_pad. s_t: [k_pad, q_pad]. Only called on tiles the policy does
+// not report all-visible, or that end in padding.
+JFLASH_INLINE void mask_scores(const BandMask& mask, int64_t seqlen_q, int64_t q0, int q_pad,
+                               int64_t k0, int k_rows, int k_pad, float* s_t) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int j = 0; j < k_pad; ++j) {
+    float* row = s_t + int64_t{j} * q_pad;
+    int visible_begin = q_pad, visible_end = q_pad;  // padding key: nothing visible
+    if (j < k_rows) {
+      // Queries [row_begin, row_end) see key k0 + j.
+      const int64_t key = k0 + j;
+      const int64_t begin = mask.row_begin(key) - q0;
+      const int64_t end = mask.row_end(key + 1, seqlen_q) - q0;
+      visible_begin = static_cast<int>(begin < 0 ? 0 : (begin > q_pad ? q_pad : begin));
+      visible_end = static_cast<int>(end < visible_begin ? visible_begin : (end > q_pad ? q_pad : end));
+    }
+    for (int i = 0; i < visible_begin; ++i) row[i] = kNegInf;
+    for (int i = visible_end; i < q_pad; ++i) row[i] = kNegInf;
+  }
+}
+
+// ---- Element formats and tile loads / stores ------------------------------------------
+
+JFLASH_INLINE float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+JFLASH_INLINE uint32_t float_to_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
+struct Float32Format {
+  using Storage = float;
+  static JFLASH_INLINE float to_float(float x) { return x; }
+  static JFLASH_INLINE float from_float(float x) { return x; }
+};
+
+struct BFloat16Format {
+  using Storage = uint16_t;
+  static JFLASH_INLINE float to_float(uint16_t x) { return bits_to_float(uint32_t{x} << 16); }
+  // Round to nearest even; NaN stays NaN (quieted) instead of rounding to inf.
+  static JFLASH_INLINE uint16_t from_float(float f) {
+    const uint32_t bits = float_to_bits(f);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+    return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  }
+};
+
+struct Float16Format {
+  using Storage = uint16_t;
+  static JFLASH_INLINE float to_float(uint16_t h) {
+    const uint32_t sign = uint32_t{h & 0x8000u} << 16;
+    const uint32_t exponent = (h >> 10) & 0x1fu;
+    const uint32_t mantissa = h & 0x3ffu;
+    uint32_t magnitude;
+    if (exponent == 0x1f) {
+      magnitude = 0x7f800000u | (mantissa << 13);  // inf / NaN
+    } else if (exponent != 0) {
+      magnitude = ((exponent + (127 - 15)) << 23) | (mantissa << 13);
+    } else {
+      // Zero or subnormal: mantissa * 2^-24 is exact in float32 and normal, so
+      // this does not depend on the denormals-are-zero mode of the thread.
+      magnitude = float_to_bits(static_cast<float>(mantissa) * 0x1p-24f);
+    }
+    return bits_to_float(sign | magnitude);
+  }
+  // Round to nearest even, overflow to inf, NaN to a quiet NaN.
+  static JFLASH_INLINE uint16_t from_float(float f) {
+    const uint32_t bits = float_to_bits(f);
+    const uint32_t sign = (bits >> 16) & 0x8000u;
+    const uint32_t magnitude = bits & 0x7fffffffu;
+    uint32_t half;
+    if (magnitude > 0x7f800000u) {
+      half = 0x7e00u;
+    } else if (magnitude >= 0x477ff000u) {  // >= 65520 rounds past 65504 to inf
+      half = 0x7c00u;
+    } else if (magnitude >= 0x38800000u) {  // >= 2^-14: a normal half
+      const uint32_t rebiased = magnitude - ((127u - 15u) << 23);
+      half = (rebiased + 0xfffu + ((rebiased >> 13) & 1u)) >> 13;
+    } else {
+      // Subnormal half: adding 0.5 makes the float addition round (to nearest
+      // even) at exactly 2^-24, the half subnormal step; the low bits are the result.
+      half = float_to_bits(bits_to_float(magnitude) + 0.5f) - 0x3f000000u;
+    }
+    return static_cast<uint16_t>(sign | half);
+  }
+};
+
+// dst[r * ld + c] = scale * src[r * src_row_stride + c] for r < rows, c < cols;
+// zero for padding (rows <= r < rows_pad or cols <= c < cols_pad).
+template <class Format>
+JFLASH_INLINE void load_tile_as(const void* src, int64_t src_row_stride, int rows, int cols,
+                                int rows_pad, int cols_pad, float scale, float* dst, int64_t ld) {
+  const auto* typed = static_cast<const typename Format::Storage*>(src);
+  for (int r = 0; r < rows; ++r) {
+    const auto* src_row = typed + r * src_row_stride;
+    float* dst_row = dst + r * ld;
+    for (int c = 0; c < cols; ++c) dst_row[c] = scale * Format::to_float(src_row[c]);
+    for (int c = cols; c < cols_pad; ++c) dst_row[c] = 0.0f;
+  }
+  for (int r = rows; r < rows_pad; ++r) {
+    for (int c = 0; c < cols_pad; ++c) dst[r * ld + c] = 0.0f;
+  }
+}
+
+// The same tile, transposed: dst[c * ld + r].
+template <class Format>
+JFLASH_INLINE void load_tile_transposed_as(const void* src, int64_t src_row_stride, int rows,
+                                           int cols, int rows_pad, int cols_pad, float scale,
+                                           float* dst, int64_t ld) {
+  const auto* typed = static_cast<const typename Format::Storage*>(src);
+  for (int r = 0; r < rows; ++r) {
+    const auto* src_row = typed + r * src_row_stride;
+    for (int c = 0; c < cols; ++c) dst[c * ld + r] = scale * Format::to_float(src_row[c]);
+  }
+  for (int c = 0; c < cols_pad; ++c) {
+    for (int r = (c < cols ? rows : 0); r < rows_pad; ++r) dst[c * ld + r] = 0.0f;
+  }
+}
+
+// dst[r * dst_row_stride + c] = scale * src[r * ld + c], rounded to the format.
+template <class Format>
+JFLASH_INLINE void store_tile_as(const float* src, int64_t ld, int rows, int cols, float scale,
+                                 void* dst, int64_t dst_row_stride) {
+  auto* typed = static_cast<typename Format::Storage*>(dst);
+  for (int r = 0; r < rows; ++r) {
+    auto* dst_row = typed + r * dst_row_stride;
+    for (int c = 0; c < cols; ++c) dst_row[c] = Format::from_float(scale * src[r * ld + c]);
+  }
+}
+
+// A [rows, cols] tile of one head of a [batch, seq, heads, head_dim] tensor,
+// starting `offset` elements into `base` and rows `row_stride` elements apart.
+struct TileRef {
+  const void* base;
+  DType dtype;
+  int64_t offset;
+  int64_t row_stride;
+};
+
+JFLASH_INLINE const void* tile_address(const TileRef& t) {
+  const int64_t bytes = t.dtype == DType::kFloat32 ? 4 : 2;
+  return static_cast<const char*>(t.base) + t.offset * bytes;
+}
+
+JFLASH_INLINE void load_tile(const TileRef& src, int rows, int cols, int rows_pad, int cols_pad,
+                             float scale, float* dst, int64_t ld) {
+  const void* p = tile_address(src);
+  switch (src.dtype) {
+    case DType::kFloat32:
+      return load_tile_as<Float32Format>(p, src.row_stride, rows, cols, rows_pad, cols_pad, scale,
+                                         dst, ld);
+    case DType::kBFloat16:
+      return load_tile_as<BFloat16Format>(p, src.row_stride, rows, cols, rows_pad, cols_pad,
+                                          scale, dst, ld);
+    case DType::kFloat16:
+      return load_tile_as<Float16Format>(p, src.row_stride, rows, cols, rows_pad, cols_pad, scale,
+                                         dst, ld);
+  }
+}
+
+JFLASH_INLINE void load_tile_transposed(const TileRef& src, int rows, int cols, int rows_pad,
+                                        int cols_pad, float scale, float* dst, int64_t ld) {
+  const void* p = tile_address(src);
+  switch (src.dtype) {
+    case DType::kFloat32:
+      return load_tile_transposed_as<Float32Format>(p, src.row_stride, rows, cols, rows_pad,
+                                                    cols_pad, scale, dst, ld);
+    case DType::kBFloat16:
+      return load_tile_transposed_as<BFloat16Format>(p, src.row_stride, rows, cols, rows_pad,
+                                                     cols_pad, scale, dst, ld);
+    case DType::kFloat16:
+      return load_tile_transposed_as<Float16Format>(p, src.row_stride, rows, cols, rows_pad,
+                                                    cols_pad, scale, dst, ld);
+  }
+}
+
+// dst tile (same addressing as TileRef) = scale * src[rows x cols], rounded to dtype.
+JFLASH_INLINE void store_tile(const float* src, int64_t ld, int rows, int cols, float scale,
+                              DType dtype, void* base, int64_t offset, int64_t row_stride) {
+  const int64_t bytes = dtype == DType::kFloat32 ? 4 : 2;
+  void* p = static_cast<char*>(base) + offset * bytes;
+  switch (dtype) {
+    case DType::kFloat32:
+      return store_tile_as<Float32Format>(src, ld, rows, cols, scale, p, row_stride);
+    case DType::kBFloat16:
+      return store_tile_as<BFloat16Format>(src, ld, rows, cols, scale, p, row_stride);
+    case DType::kFloat16:
+      return store_tile_as<Float16Format>(src, ld, rows, cols, scale, p, row_stride);
+  }
+}
+
+}  // namespace jflash::cpu

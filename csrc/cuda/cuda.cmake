@@ -1,0 +1,89 @@
+# The CUDA library libjflash_cuda.so (included from CMakeLists.txt when a CUDA
+# compiler is found).
+#
+# JFLASH_CUDA_ARCHS   semicolon list of GPU targets, SASS embedded for each:
+#                     "80" (sm80; also runs on sm86/sm89) and "90a" (Hopper).
+# JFLASH_CUDA_SUBSET  which kernel instantiations (csrc/cuda/instantiations/) to compile:
+#                     all  every (direction, dtype, head dim, mask): 64 files;
+#                     ci   bfloat16, head dim 128, both masks, both directions: 4 files;
+#                     otherwise a comma (or semicolon) list of name fragments, and an
+#                     instantiation is compiled when its file name contains one
+#                     (e.g. "bf16_hdim64,fp16_hdim128_full").
+# A head dim or dtype left out gives an ffi::Error that names JFLASH_CUDA_SUBSET.
+
+enable_language(CUDA)
+find_package(CUDAToolkit REQUIRED)
+
+set(JFLASH_CUDA_ARCHS "80;90a" CACHE STRING "GPU architectures to embed SASS for")
+set(JFLASH_CUDA_SUBSET "all" CACHE STRING "Kernel instantiations to compile: all, ci, or name fragments")
+
+# CuTe/CUTLASS headers from the nvidia-cutlass wheel (the `cuda` extra).
+execute_process(
+  COMMAND "${Python_EXECUTABLE}" -c
+          "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))"
+  OUTPUT_VARIABLE JFLASH_CUTLASS_INCLUDE_DIR OUTPUT_STRIP_TRAILING_WHITESPACE
+  RESULT_VARIABLE _cutlass_rc)
+if(NOT _cutlass_rc EQUAL 0 OR NOT EXISTS "${JFLASH_CUTLASS_INCLUDE_DIR}/cute/tensor.hpp")
+  message(FATAL_ERROR "jflash: the CUDA kernels need the CuTe headers of nvidia-cutlass==4.2.0.0; "
+                      "pip install 'nvidia-cutlass==4.2.0.0' (or build with JFLASH_CUDA=OFF)")
+endif()
+message(STATUS "jflash: CuTe headers: ${JFLASH_CUTLASS_INCLUDE_DIR}")
+
+file(GLOB _all_instantiations CONFIGURE_DEPENDS "${CMAKE_CURRENT_LIST_DIR}/instantiations/*.cu")
+if(JFLASH_CUDA_SUBSET STREQUAL "all")
+  set(_fragments "flash_")
+elseif(JFLASH_CUDA_SUBSET STREQUAL "ci")
+  set(_fragments "bf16_hdim128_")
+else()
+  string(REPLACE "," ";" _fragments "${JFLASH_CUDA_SUBSET}")
+endif()
+# Commas, not semicolons, in the define: a semicolon would split the compile line.
+string(REPLACE ";" "," _subset_define "${JFLASH_CUDA_SUBSET}")
+set(_instantiations "")
+foreach(_file IN LISTS _all_instantiations)
+  get_filename_component(_name "${_file}" NAME)
+  foreach(_fragment IN LISTS _fragments)
+    string(FIND "${_name}" "${_fragment}" _pos)
+    if(NOT _pos EQUAL -1)
+      list(APPEND _instantiations "${_file}")
+      break()
+    endif()
+  endforeach()
+endforeach()
+list(LENGTH _instantiations _count)
+if(_count EQUAL 0)
+  message(FATAL_ERROR "jflash: JFLASH_CUDA_SUBSET='${JFLASH_CUDA_SUBSET}' selects no kernel instantiation")
+endif()
+message(STATUS "jflash: compiling ${_count} CUDA kernel instantiations (JFLASH_CUDA_SUBSET=${JFLASH_CUDA_SUBSET}) for archs ${JFLASH_CUDA_ARCHS}")
+
+add_library(jflash_cuda SHARED
+  csrc/ffi/cuda_handlers.cu
+  csrc/ffi/version.cc
+  csrc/cuda/registry.cu
+  ${_instantiations})
+target_include_directories(jflash_cuda PRIVATE csrc csrc/include "${JFLASH_XLA_INCLUDE_DIR}")
+target_include_directories(jflash_cuda SYSTEM PRIVATE "${JFLASH_CUTLASS_INCLUDE_DIR}")
+target_compile_definitions(jflash_cuda PRIVATE
+  JFLASH_BUILD_JAXLIB_VERSION="${JFLASH_BUILD_JAXLIB_VERSION}"
+  JFLASH_CUDA_SUBSET="${_subset_define}")
+
+# Explicit -gencode flags (not CUDA_ARCHITECTURES) so that 90a is spelled the
+# way nvcc 13.0 accepts for sm_90a-only instructions (device/HOPPER.md).
+set(_gencode "")
+foreach(_arch IN LISTS JFLASH_CUDA_ARCHS)
+  list(APPEND _gencode "-gencode=arch=compute_${_arch},code=sm_${_arch}")
+endforeach()
+set_target_properties(jflash_cuda PROPERTIES
+  PREFIX "lib"
+  CUDA_ARCHITECTURES OFF
+  CUDA_STANDARD 17
+  CUDA_STANDARD_REQUIRED ON
+  # Static cudart: the library loads (and its handlers register) on machines
+  # with no GPU driver, e.g. CI; the runtime finds the driver lazily at first use.
+  CUDA_RUNTIME_LIBRARY Static
+  CUDA_VISIBILITY_PRESET hidden)
+target_compile_options(jflash_cuda PRIVATE
+  $<$<COMPILE_LANGUAGE:CUDA>:${_gencode} -O3 --expt-relaxed-constexpr -lineinfo>
+  $<$<COMPILE_LANGUAGE:CXX>:-O3 -Wall -Wextra>)
+target_link_libraries(jflash_cuda PRIVATE CUDA::cudart_static)
+install(TARGETS jflash_cuda LIBRARY DESTINATION ${JFLASH_INSTALL_DIR})

@@ -1,0 +1,403 @@
+// Backward: dq, dk, dv of flash_fwd, recomputing P from lse (FlashAttention-2,
+// Algorithm 2). Three kernels on the XLA stream, after zeroing dq_accum:
+//
+//   1. delta[b, h, i] = sum_d dO * O - dlse        (the lse cotangent enters here:
+//      dS = P * (dP - delta) is the gradient of both out and lse)
+//   2. one CTA per (key block, kv head, batch); for every query head of the
+//      GQA group and every query block the band lets the key block see:
+//        S  = Q K^T,  P = exp2(S * scale_log2 - lse * log2 e)
+//        dP = dO V^T, dS = P * (dP - delta)
+//        dV += P^T dO,  dK += dS^T Q      (registers, summed over the group)
+//        dQ_accum += dS K                 (float32 atomics)
+//      dK (times softmax_scale) and dV written once per kv head.
+//   3. dq = softmax_scale * dQ_accum, cast and transposed to [b, s, h, d].
+//
+// Shared memory holds K, V (whole CTA), the Q and dO tiles of the current step,
+// and P, dS as half-precision operands. The next step's dO streams in while dK
+// and dQ are computed, the next Q while dQ is computed.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+
+#include "cuda/kernel_traits.h"
+#include "cuda/launch.h"
+#include "cuda/utils.h"
+#include "jflash/params.h"
+
+namespace jflash::cuda {
+
+using namespace cute;
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// delta = rowsum(dO * O) - dlse, one warp per (batch, head, query row), in the
+// row order of delta. head_dim / 8 lanes each read 16 bytes of dO and O.
+template <typename Element, int kHeadDim>
+__global__ void flash_bwd_delta_kernel(const __grid_constant__ BwdParams params) {
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kWarpsPerBlock = 8;
+  const int lane = threadIdx.x % 32;
+  const int64_t num_rows = int64_t{params.batch} * params.num_heads * params.seqlen_q;
+  for (int64_t r = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32; r < num_rows;
+       r += int64_t{gridDim.x} * kWarpsPerBlock) {
+    const int64_t row = r % params.seqlen_q;
+    const int64_t head = (r / params.seqlen_q) % params.num_heads;
+    const int64_t batch = r / (int64_t{params.seqlen_q} * params.num_heads);
+    const Element* o = static_cast<const Element*>(params.out) + batch * params.out_batch_stride +
+                       row * params.out_row_stride + head * params.out_head_stride;
+    const Element* d_o = static_cast<const Element*>(params.dout) +
+                         batch * params.dout_batch_stride + row * params.dout_row_stride +
+                         head * params.dout_head_stride;
+    float dot = 0.f;
+    for (int c = lane; c < kChunks; c += 32) {
+      const uint4 o_chunk = *reinterpret_cast<const uint4*>(o + c * 8);
+      const uint4 do_chunk = *reinterpret_cast<const uint4*>(d_o + c * 8);
+      const Element* o8 = reinterpret_cast<const Element*>(&o_chunk);
+      const Element* do8 = reinterpret_cast<const Element*>(&do_chunk);
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) dot += float(o8[e]) * float(do8[e]);
+    }
+    CUTE_UNROLL
+    for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffff, dot, offset);
+    if (lane == 0) params.delta[r] = dot - params.dlse[r];
+  }
+}
+
+// dq[b, i, h, :] = softmax_scale * dq_accum[b, h, i, :], four values per thread.
+template <typename Element>
+__global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams params) {
+  const int64_t num_chunks =
+      int64_t{params.batch} * params.num_heads * params.seqlen_q * params.head_dim / 4;
+  const int chunks_per_row = params.head_dim / 4;
+  for (int64_t c = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; c < num_chunks;
+       c += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = c / chunks_per_row;  // (batch, head, row) in dq_accum order
+    const int col = int(c % chunks_per_row) * 4;
+    const int64_t row = r % params.seqlen_q;
+    const int64_t head = (r / params.seqlen_q) % params.num_heads;
+    const int64_t batch = r / (int64_t{params.seqlen_q} * params.num_heads);
+    const float4 acc = reinterpret_cast<const float4*>(params.dq_accum)[c];
+    const float s = params.softmax_scale;
+    Element* dst = static_cast<Element*>(params.dq) + batch * params.dq_batch_stride +
+                   row * params.dq_row_stride + head * params.dq_head_stride + col;
+    uint2 packed;
+    packed.x = pack_pair(Element(acc.x * s), Element(acc.y * s));
+    packed.y = pack_pair(Element(acc.z * s), Element(acc.w * s));
+    *reinterpret_cast<uint2*>(dst) = packed;
+  }
+}
+
+template <typename Traits, bool kBanded>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_bwd_kernel(const __grid_constant__ BwdParams params) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+
+  extern __shared__ __align__(128) char smem[];
+  const int n_block = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int tidx = threadIdx.x;
+
+  // Keys [key0, key_end) of this CTA and the query blocks that can see them.
+  const int key0 = n_block * kBlockN;
+  const int key_end = min(key0 + kBlockN, params.seqlen_k);
+  int row_lo = 0;
+  int row_hi = params.seqlen_q;
+  if constexpr (kBanded) {
+    row_lo = static_cast<int>(params.mask.row_begin(key0));
+    row_hi = static_cast<int>(params.mask.row_end(key_end, params.seqlen_q));
+  }
+  const int m_block_begin = row_lo / kBlockM;
+  const int num_m_blocks = row_lo < row_hi ? ceil_div(row_hi, kBlockM) - m_block_begin : 0;
+  // One step per (query head of the group, query block).
+  const int num_steps = num_m_blocks * params.heads_per_kv;
+  const int head0 = kv_head * params.heads_per_kv;
+
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
+                          typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(sdO.data() + size(sdO), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
+  Tensor sP = make_tensor(sV.data() + size(sV), typename Traits::SmemLayoutPdS{});
+  Tensor sdS = make_tensor(sP.data() + size(sP), typename Traits::SmemLayoutPdS{});
+  Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
+  Tensor sQtNoSwizzle = make_tensor(sQ.data(), typename Traits::SmemLayoutQtNoSwizzle{});
+  Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
+  Tensor sdOtNoSwizzle = make_tensor(sdO.data(), typename Traits::SmemLayoutQtNoSwizzle{});
+  Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
+  Tensor sKtNoSwizzle = make_tensor(sK.data(), typename Traits::SmemLayoutKtNoSwizzle{});
+  Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPdSt{});
+  Tensor sPtNoSwizzle = make_tensor(sP.data(), typename Traits::SmemLayoutPdStNoSwizzle{});
+  Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});
+  Tensor sdStNoSwizzle = make_tensor(sdS.data(), typename Traits::SmemLayoutPdStNoSwizzle{});
+
+  // Global -> shared.
+  typename Traits::GmemTiledCopy gmem_tiled_copy;
+  auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
+  Tensor tQsQ = gmem_thr_copy.partition_D(sQ);
+  Tensor tdOsdO = gmem_thr_copy.partition_D(sdO);
+  Tensor tKsK = gmem_thr_copy.partition_D(sK);
+  Tensor tVsV = gmem_thr_copy.partition_D(sV);
+  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+
+  // Loads the Q or dO tile of step `step` (query head, query block).
+  auto load_rows = [&](const void* base, int64_t batch_stride, int64_t row_stride,
+                       int64_t head_stride, int step, auto& dst) {
+    const int head = head0 + step / num_m_blocks;
+    const int m_block = m_block_begin + step % num_m_blocks;
+    const Element* ptr = static_cast<const Element*>(base) + batch * batch_stride +
+                         head * head_stride + int64_t{m_block} * kBlockM * row_stride;
+    Tensor g = make_tensor(make_gmem_ptr(ptr), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                           make_stride(row_stride, _1{}));
+    copy_rows(gmem_tiled_copy, gmem_thr_copy.partition_S(g), dst, tQcQ,
+              params.seqlen_q - m_block * kBlockM);
+  };
+  auto load_q = [&](int step) {
+    load_rows(params.q, params.q_batch_stride, params.q_row_stride, params.q_head_stride, step, tQsQ);
+  };
+  auto load_do = [&](int step) {
+    load_rows(params.dout, params.dout_batch_stride, params.dout_row_stride,
+              params.dout_head_stride, step, tdOsdO);
+  };
+
+  // S = Q K^T and dP = dO V^T.
+  typename Traits::TiledMmaSdP tiled_mma_sdp;
+  auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(tidx);
+  Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);
+  Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);
+  auto smem_tiled_copy_QdO = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma_sdp);
+  auto smem_thr_copy_QdO = smem_tiled_copy_QdO.get_thread_slice(tidx);
+  Tensor tSsQ = smem_thr_copy_QdO.partition_S(sQ);
+  Tensor tdPsdO = smem_thr_copy_QdO.partition_S(sdO);
+  auto smem_tiled_copy_KV = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma_sdp);
+  auto smem_thr_copy_KV = smem_tiled_copy_KV.get_thread_slice(tidx);
+  Tensor tSsK = smem_thr_copy_KV.partition_S(sK);
+  Tensor tdPsV = smem_thr_copy_KV.partition_S(sV);
+  auto smem_tiled_copy_PdS = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, tiled_mma_sdp);
+  auto smem_thr_copy_PdS = smem_tiled_copy_PdS.get_thread_slice(tidx);
+  Tensor tPsP = smem_thr_copy_PdS.partition_D(sP);
+  Tensor tdSsdS = smem_thr_copy_PdS.partition_D(sdS);
+  Tensor tScS = thr_mma_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+
+  // dV += P^T dO and dK += dS^T Q.
+  typename Traits::TiledMmadKV tiled_mma_dkv;
+  auto thr_mma_dkv = tiled_mma_dkv.get_thread_slice(tidx);
+  Tensor tdVrPt = thr_mma_dkv.partition_fragment_A(sPtNoSwizzle);
+  Tensor tdVrdOt = thr_mma_dkv.partition_fragment_B(sdOtNoSwizzle);
+  Tensor tdKrdSt = thr_mma_dkv.partition_fragment_A(sdStNoSwizzle);
+  Tensor tdKrQt = thr_mma_dkv.partition_fragment_B(sQtNoSwizzle);
+  auto smem_tiled_copy_PdSt =
+      make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dkv);
+  auto smem_thr_copy_PdSt = smem_tiled_copy_PdSt.get_thread_slice(tidx);
+  Tensor tdVsPt = smem_thr_copy_PdSt.partition_S(sPt);
+  Tensor tdKsdSt = smem_thr_copy_PdSt.partition_S(sdSt);
+  auto smem_tiled_copy_QdOt =
+      make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dkv);
+  auto smem_thr_copy_QdOt = smem_tiled_copy_QdOt.get_thread_slice(tidx);
+  Tensor tdVsdOt = smem_thr_copy_QdOt.partition_S(sdOt);
+  Tensor tdKsQt = smem_thr_copy_QdOt.partition_S(sQt);
+  Tensor acc_dk = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  // dQ = dS K.
+  typename Traits::TiledMmadQ tiled_mma_dq;
+  auto thr_mma_dq = tiled_mma_dq.get_thread_slice(tidx);
+  Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKtNoSwizzle);
+  auto smem_tiled_copy_dS = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma_dq);
+  auto smem_thr_copy_dS = smem_tiled_copy_dS.get_thread_slice(tidx);
+  Tensor tdQsdS = smem_thr_copy_dS.partition_S(sdS);
+  auto smem_tiled_copy_Kt = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dq);
+  auto smem_thr_copy_Kt = smem_tiled_copy_Kt.get_thread_slice(tidx);
+  Tensor tdQsKt = smem_thr_copy_Kt.partition_S(sKt);
+  Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+
+  if (num_steps > 0) {
+    auto k_tile = [&](const void* base, int64_t batch_stride, int64_t row_stride,
+                      int64_t head_stride) {
+      const Element* ptr = static_cast<const Element*>(base) + batch * batch_stride +
+                           kv_head * head_stride + int64_t{key0} * row_stride;
+      return gmem_thr_copy.partition_S(make_tensor(
+          make_gmem_ptr(ptr), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(row_stride, _1{})));
+    };
+    copy_rows(gmem_tiled_copy,
+              k_tile(params.k, params.k_batch_stride, params.k_row_stride, params.k_head_stride),
+              tKsK, tKVcKV, params.seqlen_k - key0);
+    copy_rows(gmem_tiled_copy,
+              k_tile(params.v, params.v_batch_stride, params.v_row_stride, params.v_head_stride),
+              tVsV, tKVcKV, params.seqlen_k - key0);
+    load_q(0);
+    load_do(0);
+    cp_async_fence();
+  }
+
+  constexpr int kRows = decltype(size<0>(tScS_rc))::value;  // query rows this thread holds
+  for (int step = 0; step < num_steps; ++step) {
+    const int head = head0 + step / num_m_blocks;
+    const int row0 = (m_block_begin + step % num_m_blocks) * kBlockM;
+    const int64_t row_offset = (int64_t{batch} * params.num_heads + head) * params.seqlen_q;
+
+    // lse (log2 domain) and delta of this thread's rows. Rows past the end and
+    // rows that saw no key in the forward (lse = -inf) get lse = +inf: P = 0.
+    float lse_log2[kRows];
+    float delta[kRows];
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int row = row0 + get<0>(tScS_rc(r, 0));
+      const float lse = row < params.seqlen_q ? params.lse[row_offset + row] : INFINITY;
+      lse_log2[r] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+      delta[r] = row < params.seqlen_q ? params.delta[row_offset + row] : 0.f;
+    }
+
+    cp_async_wait<0>();
+    __syncthreads();  // Q, dO (and K, V) tiles visible to all warps
+
+    // S = Q K^T and dP = dO V^T   (block_m x block_n)
+    Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma_sdp, smem_tiled_copy_QdO, smem_thr_copy_QdO,
+            smem_tiled_copy_KV, smem_thr_copy_KV);
+    Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_dp);
+    gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, tiled_mma_sdp, smem_tiled_copy_QdO,
+            smem_thr_copy_QdO, smem_tiled_copy_KV, smem_thr_copy_KV);
+
+    // P = exp2(S * scale_log2 - lse_log2), dS = P * (dP - delta); masked
+    // elements (outside the band or past the last key) get P = dS = 0.
+    Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+    Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+    bool needs_mask = key0 + kBlockN > params.seqlen_k;
+    if constexpr (kBanded) {
+      needs_mask = needs_mask ||
+                   !params.mask.tile_all_visible(row0, min(row0 + kBlockM, params.seqlen_q), key0,
+                                                 key0 + kBlockN);
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) {
+        float p = fast_exp2(s(r, c) * params.softmax_scale_log2 - lse_log2[r]);
+        if (needs_mask) {
+          const int row = row0 + get<0>(tScS_rc(r, c));
+          const int col = key0 + get<1>(tScS_rc(r, c));
+          bool visible = col < params.seqlen_k;
+          if constexpr (kBanded) visible = visible && params.mask.visible(row, col);
+          if (!visible) p = 0.f;
+        }
+        s(r, c) = p;
+        dp(r, c) = p * (dp(r, c) - delta[r]);
+      }
+    }
+    Tensor p_half = convert_fragment<Element>(acc_s);
+    copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(p_half), tPsP);
+    Tensor ds_half = convert_fragment<Element>(acc_dp);
+    copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(ds_half), tdSsdS);
+    __syncthreads();  // P, dS visible
+
+    // dV += P^T dO   (block_n x head_dim)
+    gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, tiled_mma_dkv, smem_tiled_copy_PdSt,
+            smem_thr_copy_PdSt, smem_tiled_copy_QdOt, smem_thr_copy_QdOt);
+    __syncthreads();  // every warp is done with this dO tile
+    if (step + 1 < num_steps) {
+      load_do(step + 1);
+      cp_async_fence();
+    }
+
+    // dK += dS^T Q   (block_n x head_dim)
+    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, tiled_mma_dkv, smem_tiled_copy_PdSt,
+            smem_thr_copy_PdSt, smem_tiled_copy_QdOt, smem_thr_copy_QdOt);
+    __syncthreads();  // every warp is done with this Q tile
+    if (step + 1 < num_steps) {
+      load_q(step + 1);
+      cp_async_fence();
+    }
+
+    // dQ_accum += dS K   (block_m x head_dim, float32 atomics; scaled in kernel 3)
+    Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    clear(acc_dq);
+    gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq, smem_tiled_copy_dS,
+            smem_thr_copy_dS, smem_tiled_copy_Kt, smem_thr_copy_Kt);
+    float* dq_accum = params.dq_accum + row_offset * kHeadDim;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); ++i) {
+      const int row = row0 + get<0>(tdQcdQ(i));
+      if (row < params.seqlen_q) {
+        atomicAdd(dq_accum + int64_t{row} * kHeadDim + get<1>(tdQcdQ(i)), acc_dq(i));
+      }
+    }
+  }
+
+  // dK = softmax_scale * dS^T Q; both written once, rows past the last key skipped.
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
+  Tensor dk = convert_fragment<Element>(acc_dk);
+  Tensor dv = convert_fragment<Element>(acc_dv);
+  Tensor tdKVcdKV =
+      thr_mma_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Element* dk_ptr = static_cast<Element*>(params.dk) + batch * params.dk_batch_stride +
+                    kv_head * params.dk_head_stride;
+  Element* dv_ptr = static_cast<Element*>(params.dv) + batch * params.dv_batch_stride +
+                    kv_head * params.dv_head_stride;
+  CUTE_UNROLL
+  for (int i = 0; i < size(dk); i += 2) {
+    const int key = key0 + get<0>(tdKVcdKV(i));
+    if (key < params.seqlen_k) {
+      const int col = get<1>(tdKVcdKV(i));
+      *reinterpret_cast<uint32_t*>(dk_ptr + key * params.dk_row_stride + col) = pack_pair(dk(i), dk(i + 1));
+      *reinterpret_cast<uint32_t*>(dv_ptr + key * params.dv_row_stride + col) = pack_pair(dv(i), dv(i + 1));
+    }
+  }
+}
+
+template <typename Element, int kHeadDim, bool kBanded>
+cudaError_t run_flash_bwd(const BwdParams& params, const LaunchContext& ctx) {
+  using Traits = BwdTraits<Element, kHeadDim>;
+  const int64_t rows = int64_t{params.batch} * params.num_heads * params.seqlen_q;
+  // Grid-stride kernels: a few waves of CTAs are enough to saturate bandwidth.
+  const int small_grid = ctx.sm_count * 8;
+
+  if (rows > 0) {
+    if (cudaError_t err = cudaMemsetAsync(params.dq_accum, 0, rows * kHeadDim * sizeof(float),
+                                          ctx.stream);
+        err != cudaSuccess) {
+      return err;
+    }
+    flash_bwd_delta_kernel<Element, kHeadDim><<<small_grid, 256, 0, ctx.stream>>>(params);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  }
+
+  auto kernel = &flash_bwd_kernel<Traits, kBanded>;
+  constexpr int kSmemBytes = Traits::kSmemBytes;
+  if constexpr (kSmemBytes > 48 * 1024) {
+    if (cudaError_t err = cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+        err != cudaSuccess) {
+      return err;
+    }
+  }
+  // Runs even with no query rows: it then writes dK = dV = 0.
+  if (params.seqlen_k > 0) {
+    const dim3 grid(ceil_div(params.seqlen_k, Traits::kBlockN), params.num_heads_kv, params.batch);
+    kernel<<<grid, Traits::kNThreads, kSmemBytes, ctx.stream>>>(params);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  }
+
+  if (rows > 0) {
+    flash_bwd_convert_dq_kernel<Element><<<small_grid, 256, 0, ctx.stream>>>(params);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace jflash::cuda

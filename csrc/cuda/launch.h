@@ -1,0 +1,49 @@
+// The launcher interface between the FFI handlers and the kernel instantiations.
+//
+// Each generated instantiation file (csrc/cuda/instantiations/, written by
+// generate_kernels.py) compiles one launcher and records it in the registry
+// below when the library loads. The handlers look a launcher up by (dtype,
+// head_dim, banded); a missing entry means the instantiation was left out of the
+// build (JFLASH_CUDA_SUBSET) and becomes an ffi::Error, never a crash.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "jflash/params.h"
+
+namespace jflash::cuda {
+
+// What a launcher needs besides the params; the same on every call for a given
+// device, so launches stay CUDA-graph safe.
+struct LaunchContext {
+  cudaStream_t stream;
+  int sm_count;  // sizes the grid-stride grids of the backward's small kernels
+};
+
+using FwdLauncher = cudaError_t (*)(const FwdParams&, const LaunchContext&);
+using BwdLauncher = cudaError_t (*)(const BwdParams&, const LaunchContext&);
+
+struct FwdKernel {
+  FwdLauncher launch = nullptr;
+  int smem_bytes = 0;  // dynamic shared memory of the main kernel
+};
+struct BwdKernel {
+  BwdLauncher launch = nullptr;
+  int smem_bytes = 0;
+};
+
+// Registry slots; head_dim is one of 32, 64, ..., 256. Return nullptr-launch
+// entries for instantiations that were not compiled.
+FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, bool banded);
+BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, bool banded);
+
+inline bool register_fwd_kernel(DType dtype, int head_dim, bool banded, FwdKernel kernel) {
+  fwd_kernel_slot(dtype, head_dim, banded) = kernel;
+  return true;
+}
+inline bool register_bwd_kernel(DType dtype, int head_dim, bool banded, BwdKernel kernel) {
+  bwd_kernel_slot(dtype, head_dim, banded) = kernel;
+  return true;
+}
+
+}  // namespace jflash::cuda

@@ -1,0 +1,28 @@
+// Storage for the launcher registry of launch.h. Function-local statics, so
+// that the instantiation files may register from their static initializers in
+// any order.
+#include "cuda/launch.h"
+
+namespace jflash::cuda {
+namespace {
+
+constexpr int kNumHeadDims = 8;  // 32, 64, ..., 256
+
+int slot_index(DType dtype, int head_dim, bool banded) {
+  const int dtype_index = dtype == DType::kBFloat16 ? 1 : 0;
+  return (dtype_index * kNumHeadDims + head_dim / 32 - 1) * 2 + (banded ? 1 : 0);
+}
+
+}  // namespace
+
+FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, bool banded) {
+  static FwdKernel table[2 * kNumHeadDims * 2];
+  return table[slot_index(dtype, head_dim, banded)];
+}
+
+BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, bool banded) {
+  static BwdKernel table[2 * kNumHeadDims * 2];
+  return table[slot_index(dtype, head_dim, banded)];
+}
+
+}  // namespace jflash::cuda

@@ -1,0 +1,72 @@
+// The one table of tile sizes: which (block_m, block_n, warps) each head dim runs.
+//
+// Everything else (shared-memory layouts, MMA warp layouts, grid shapes) is
+// derived from these entries in kernel_traits.h. A change of tile size is a
+// change of one line here, with its reason and measurement beside it
+// (csrc/cuda/NOTES.md holds the measurements).
+//
+// Budgets that bound every entry (sm80 and sm90; sm86/sm89 have only 99 KB of
+// shared memory per block and are refused with an error by the launchers):
+//   registers: 255 per thread. The forward keeps an output accumulator of
+//     block_m * head_dim / threads floats per thread; the backward keeps dK and
+//     dV accumulators of 2 * block_n * head_dim / threads floats.
+//   shared memory: 163 KB per block on sm80, 227 KB on sm90.
+#pragma once
+
+namespace jflash::cuda {
+
+struct FwdTile {
+  int block_m;    // query rows per CTA
+  int block_n;    // key rows per main-loop step
+  int num_warps;  // warps split block_m; each owns block_m / num_warps query rows
+};
+
+// smem = (block_m + 2 * block_n) * head_dim * 2 bytes (Q, one K and one V tile).
+constexpr FwdTile fwd_tile(int head_dim) {
+  switch (head_dim) {
+    // Small head dims: wide key tiles amortize the softmax over more MMAs;
+    // output accumulator is only 32 / 64 floats per thread.
+    case 32: return {128, 128, 4};
+    case 64: return {128, 128, 4};
+    // 128 rows x 4 warps = 32 rows per warp, so the score tile (64 floats) and
+    // the output tile (96 / 128 floats) fit in registers without spills.
+    case 96: return {128, 64, 4};
+    case 128: return {128, 64, 4};
+    // From 160 on, 4 warps would need > 160 accumulator floats per thread: use
+    // 8 warps (16 rows each) and a 64-key tile; smem 96..128 KB.
+    case 160: return {128, 64, 8};
+    case 192: return {128, 64, 8};
+    case 224: return {128, 64, 8};
+    case 256: return {128, 64, 8};
+    default: return {0, 0, 0};
+  }
+}
+
+struct BwdTile {
+  int block_m;    // query rows per inner-loop step
+  int block_n;    // key rows per CTA (dK, dV accumulated in registers)
+  int num_warps;  // 8: the three MMA shapes below need 8 warps to tile evenly
+};
+
+// smem = (2 * block_n + 2 * block_m) * head_dim * 2 + 2 * block_m * block_n * 2
+// bytes (K, V, Q, dO tiles, then P and dS as the half-precision operands of the
+// dV, dK and dQ products).
+constexpr BwdTile bwd_tile(int head_dim) {
+  switch (head_dim) {
+    // 128 keys per CTA halves the number of passes over Q and dO relative to
+    // 64; dK + dV accumulators are head_dim floats per thread (<= 128).
+    case 32: return {64, 128, 8};
+    case 64: return {64, 128, 8};
+    case 96: return {64, 128, 8};
+    case 128: return {64, 128, 8};
+    // Larger head dims: 128 keys would need > 128 dK/dV floats per thread and
+    // > 163 KB smem; 64 keys keeps both in budget (144 KB at head dim 256).
+    case 160: return {64, 64, 8};
+    case 192: return {64, 64, 8};
+    case 224: return {64, 64, 8};
+    case 256: return {64, 64, 8};
+    default: return {0, 0, 0};
+  }
+}
+
+}  // namespace jflash::cuda

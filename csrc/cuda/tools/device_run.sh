@@ -1,0 +1,37 @@
+#!/bin/bash
+# One call on the lent GPU machine: build, test, sanitize, time. Logs go to $OUT.
+#   JFLASH_CUDA_SUBSET=... STEPS="build tests suite sanitize bench" bash csrc/cuda/tools/device_run.sh
+# Expects the wheels of .whl/ (nvidia-cutlass, pytest) carried along.
+set -u
+: "${OUT:=/tmp/out}"
+: "${STEPS:=build tests sanitize bench}"
+: "${JFLASH_CUDA_SUBSET:=ci}"
+: "${BENCH_ARGS:=--head-dims 128 --seqs 16384}"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/device.txt"
+for step in $STEPS; do
+  start=$(date +%s)
+  case $step in
+    build)
+      CMAKE_BUILD_PARALLEL_LEVEL=16 JFLASH_CUDA=ON JFLASH_CUDA_ARCHS=90a JFLASH_CUDA_SUBSET="$JFLASH_CUDA_SUBSET" \
+        python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 \
+        || { tail -40 "$OUT/build.log"; exit 1; }
+      python3 -P -c "import jflash; print('HAS_CUDA_KERNELS', jflash.HAS_CUDA_KERNELS)" ;;
+    tests)
+      timeout 300 python3 -P -m pytest -q -p no:cacheprovider tests/test_cuda_specific.py > "$OUT/test_cuda.log" 2>&1
+      tail -25 "$OUT/test_cuda.log" ;;
+    suite)
+      timeout 300 python3 -P -m pytest -q -p no:cacheprovider tests/test_flash_attention.py > "$OUT/test_suite.log" 2>&1
+      tail -25 "$OUT/test_suite.log" ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        timeout 150 compute-sanitizer --tool $tool --kernel-name kns=flash_ \
+          python3 -P csrc/cuda/tools/sanitizer_driver.py > "$OUT/sanitizer_$tool.log" 2>&1
+        echo "$tool rc=$?"; tail -4 "$OUT/sanitizer_$tool.log"
+      done ;;
+    bench)
+      timeout 240 python3 -P csrc/cuda/tools/quick_bench.py $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" ;;
+  esac
+  echo "== $step took $(( $(date +%s) - start )) s"
+done

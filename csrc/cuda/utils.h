@@ -1,0 +1,141 @@
+// Register-level helpers shared by the forward and backward kernels: MMA loops
+// over shared-memory operands, accumulator layout views, quad reductions and
+// predicated tile loads.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+
+namespace jflash::cuda {
+
+using namespace cute;
+
+// acc += A B^T over the K mode, A and B both read from shared memory with
+// ldmatrix one k-slice ahead of the MMA that consumes it (software pipelining:
+// the load of slice k+1 is in flight while slice k multiplies).
+template <typename TensorAcc, typename TensorRA, typename TensorRB, typename TensorSA,
+          typename TensorSB, typename TiledMma, typename CopyA, typename ThrCopyA, typename CopyB,
+          typename ThrCopyB>
+__device__ __forceinline__ void gemm_ss(TensorAcc& acc, TensorRA& rA, TensorRB& rB,
+                                        TensorSA const& sA, TensorSB const& sB,
+                                        TiledMma const& tiled_mma, CopyA const& copy_a,
+                                        ThrCopyA const& thr_copy_a, CopyB const& copy_b,
+                                        ThrCopyB const& thr_copy_b) {
+  auto rA_view = thr_copy_a.retile_D(rA);
+  auto rB_view = thr_copy_b.retile_D(rB);
+  copy(copy_a, sA(_, _, 0), rA_view(_, _, 0));
+  copy(copy_b, sB(_, _, 0), rB_view(_, _, 0));
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rA); ++k) {
+    if (k < size<2>(rA) - 1) {
+      copy(copy_a, sA(_, _, k + 1), rA_view(_, _, k + 1));
+      copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
+    }
+    cute::gemm(tiled_mma, rA(_, _, k), rB(_, _, k), acc);
+  }
+}
+
+// acc += A B^T with A already in registers (P in the forward's P V).
+template <typename TensorAcc, typename TensorRA, typename TensorRB, typename TensorSB,
+          typename TiledMma, typename CopyB, typename ThrCopyB>
+__device__ __forceinline__ void gemm_rs(TensorAcc& acc, TensorRA const& rA, TensorRB& rB,
+                                        TensorSB const& sB, TiledMma const& tiled_mma,
+                                        CopyB const& copy_b, ThrCopyB const& thr_copy_b) {
+  auto rB_view = thr_copy_b.retile_D(rB);
+  copy(copy_b, sB(_, _, 0), rB_view(_, _, 0));
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rA); ++k) {
+    if (k < size<2>(rA) - 1) copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
+    cute::gemm(tiled_mma, rA(_, _, k), rB(_, _, k), acc);
+  }
+}
+
+// m16n8 accumulator ((2 cols, 2 rows), MMA_M, MMA_N) viewed as
+// (rows = (2, MMA_M), cols = (2, MMA_N)), so softmax code can index row, col.
+template <typename Layout>
+__device__ __forceinline__ constexpr auto acc_rowcol(Layout l) {
+  static_assert(decltype(rank<0>(l))::value == 2 && decltype(size<0, 0>(l))::value == 2);
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<2>(l)));
+}
+
+// The accumulator of a (M x N) product viewed as the A operand of a following
+// m16n8k16 product with K = N: two adjacent n8 accumulator tiles form one k16
+// A fragment, ((2, 2), MMA_M, MMA_N) -> ((2, 2, 2), MMA_M, MMA_N / 2).
+template <typename Layout>
+__device__ __forceinline__ constexpr auto acc_as_a_operand(Layout l) {
+  auto split = logical_divide(l, Shape<Underscore, Underscore, _2>{});
+  return make_layout(make_layout(get<0>(split), get<2, 0>(split)), get<1>(split),
+                     get<2, 1>(split));
+}
+
+// Float32 fragment -> half-precision fragment of the same layout, two values
+// per conversion instruction.
+template <typename To, typename Engine, typename Layout>
+__device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& src) {
+  using From = typename Engine::value_type;
+  constexpr int N = decltype(size(src))::value;
+  static_assert(N % 2 == 0);
+  Tensor dst = make_tensor<To>(src.layout());
+  cutlass::NumericArrayConverter<To, From, 2> convert;
+  CUTE_UNROLL
+  for (int i = 0; i < N / 2; ++i) {
+    cutlass::Array<From, 2> pair{};
+    pair[0] = src(2 * i);
+    pair[1] = src(2 * i + 1);
+    cutlass::Array<To, 2> out = convert(pair);
+    dst(2 * i) = out[0];
+    dst(2 * i + 1) = out[1];
+  }
+  return dst;
+}
+
+// Two 16-bit values as one 32-bit word (a in the low half, so that a lands at
+// the lower address of a little-endian store).
+template <typename Element>
+__device__ __forceinline__ uint32_t pack_pair(Element a, Element b) {
+  return uint32_t(a.raw()) | (uint32_t(b.raw()) << 16);
+}
+
+// 2^x with the single MUFU instruction (exp2(-inf) = 0). The softmax works in
+// the log2 domain so that exp costs one instruction, not exp's extra multiply.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// A row of an m16n8 accumulator is spread over the 4 lanes of a quad.
+template <typename Op>
+__device__ __forceinline__ float quad_allreduce(float x, Op op) {
+  x = op(x, __shfl_xor_sync(0xffffffff, x, 2));
+  x = op(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return x;
+}
+
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct SumOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+
+// Copies the rows of a (rows x head_dim) global tile that lie below row_limit
+// into shared memory with cp.async, and zero-fills the others: rows past the
+// sequence end then contribute exactly 0 to every product.
+template <typename TiledCopy, typename TensorG, typename TensorS, typename TensorC>
+__device__ __forceinline__ void copy_rows(TiledCopy const& tiled_copy, TensorG const& g,
+                                          TensorS& s, TensorC const& coords, int row_limit) {
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(s); ++m) {
+    if (get<0>(coords(0, m, 0)) < row_limit) {
+      copy(tiled_copy, g(_, m, _), s(_, m, _));
+    } else {
+      clear(s(_, m, _));
+    }
+  }
+}
+
+}  // namespace jflash::cuda

@@ -1,0 +1,185 @@
+// XLA FFI handlers for platform "CUDA": JflashFwdCuda and JflashBwdCuda.
+//
+// They bind the same arguments, results and attributes in the same order as
+// the CPU handlers (cpu_handlers.cc), plus the XLA stream. Everything they do
+// depends only on shapes and attributes: no synchronization, no allocation
+// (dq_accum and delta come from XLA), launches only on the given stream, so
+// they may be captured into CUDA graphs (kCmdBufferCompatible).
+#include <cuda_runtime.h>
+
+#include <mutex>
+#include <string>
+
+#include "cuda/launch.h"
+#include "ffi/params_from_ffi.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jflash {
+namespace {
+
+// Per-device properties, read once per device (cudaDeviceGetAttribute is cheap
+// but not free, and these never change).
+struct DeviceInfo {
+  cudaError_t error = cudaSuccess;
+  int sm_count = 0;
+  int max_smem_per_block = 0;  // opt-in limit for dynamic shared memory
+};
+
+constexpr int kMaxDevices = 64;
+
+const DeviceInfo& device_info(int device) {
+  static DeviceInfo infos[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  std::call_once(once[device], [device] {
+    DeviceInfo& info = infos[device];
+    info.error = cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, device);
+    if (info.error == cudaSuccess) {
+      info.error = cudaDeviceGetAttribute(&info.max_smem_per_block,
+                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    }
+  });
+  return infos[device];
+}
+
+ffi::Error CudaError(cudaError_t err, const char* what) {
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string("jflash: ") + what + ": " + cudaGetErrorString(err));
+}
+
+const char* DTypeName(DType dtype) { return dtype == DType::kFloat16 ? "float16" : "bfloat16"; }
+
+// Checks what the CUDA kernels support beyond FillFwdParams' ABI checks and
+// returns the launch context of the current device.
+ffi::ErrorOr<cuda::LaunchContext> Prepare(const FwdParams& params, cudaStream_t stream,
+                                          int smem_bytes, bool found, const char* direction) {
+  if (params.dtype == DType::kFloat32) {
+    return ffi::Error::InvalidArgument(
+        "jflash: the CUDA kernels take float16 or bfloat16; float32 inputs are cast to bfloat16 "
+        "by jflash before the call (jflash/_src/kernel_calls.py)");
+  }
+  if (params.head_dim % 32 != 0) {
+    return ffi::Error::InvalidArgument("jflash: the CUDA kernels need head_dim in 32, 64, ..., 256 (got " +
+                                       std::to_string(params.head_dim) +
+                                       "); jflash pads head_dim before the call");
+  }
+  const bool banded = !params.mask.is_full(params.seqlen_q, params.seqlen_k);
+  if (!found) {
+    return ffi::Error::InvalidArgument(
+        std::string("jflash: this build has no CUDA ") + direction + " kernel for " +
+        DTypeName(params.dtype) + ", head_dim " + std::to_string(params.head_dim) + ", " +
+        (banded ? "banded" : "unmasked") + " attention: it was built with JFLASH_CUDA_SUBSET=" +
+        JFLASH_CUDA_SUBSET + "; rebuild with JFLASH_CUDA_SUBSET=all");
+  }
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) {
+    return CudaError(err, "cudaGetDevice");
+  }
+  if (device < 0 || device >= kMaxDevices) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, "jflash: device ordinal out of range");
+  }
+  const DeviceInfo& info = device_info(device);
+  if (info.error != cudaSuccess) return CudaError(info.error, "cudaDeviceGetAttribute");
+  if (smem_bytes > info.max_smem_per_block) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      std::string("jflash: the CUDA ") + direction + " kernel for head_dim " +
+                          std::to_string(params.head_dim) + " needs " + std::to_string(smem_bytes) +
+                          " bytes of shared memory per block; this GPU allows " +
+                          std::to_string(info.max_smem_per_block));
+  }
+  return cuda::LaunchContext{stream, info.sm_count};
+}
+
+ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                   float softmax_scale, int64_t diag_lo, int64_t diag_hi) {
+  FwdParams params;
+  if (auto err = ffi_glue::FillFwdParams(q, k, v, *out, *lse, softmax_scale, diag_lo, diag_hi,
+                                         &params);
+      err.failure()) {
+    return err;
+  }
+  if (params.batch == 0 || params.seqlen_q == 0 || params.num_heads == 0) {
+    return ffi::Error::Success();
+  }
+  cuda::FwdKernel kernel;
+  const bool banded = !params.mask.is_full(params.seqlen_q, params.seqlen_k);
+  if (params.dtype != DType::kFloat32 && params.head_dim % 32 == 0) {
+    kernel = cuda::fwd_kernel_slot(params.dtype, params.head_dim, banded);
+  }
+  auto ctx = Prepare(params, stream, kernel.smem_bytes, kernel.launch != nullptr, "forward");
+  if (ctx.has_error()) return ctx.error();
+  if (cudaError_t err = kernel.launch(params, *ctx); err != cudaSuccess) {
+    return CudaError(err, "forward launch");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
+                   ffi::AnyBuffer dlse, ffi::Result<ffi::AnyBuffer> dq,
+                   ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                   ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta,
+                   float softmax_scale, int64_t diag_lo, int64_t diag_hi) {
+  BwdParams params;
+  if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, *dq, *dk, *dv, *dq_accum,
+                                         *delta, softmax_scale, diag_lo, diag_hi, &params);
+      err.failure()) {
+    return err;
+  }
+  if (params.batch == 0 || params.num_heads == 0) return ffi::Error::Success();
+  // seqlen_q == 0 still launches: dK and dV must be written (as zeros).
+  cuda::BwdKernel kernel;
+  const bool banded = !params.mask.is_full(params.seqlen_q, params.seqlen_k);
+  if (params.dtype != DType::kFloat32 && params.head_dim % 32 == 0) {
+    kernel = cuda::bwd_kernel_slot(params.dtype, params.head_dim, banded);
+  }
+  auto ctx = Prepare(params, stream, kernel.smem_bytes, kernel.launch != nullptr, "backward");
+  if (ctx.has_error()) return ctx.error();
+  if (cudaError_t err = kernel.launch(params, *ctx); err != cudaSuccess) {
+    return CudaError(err, "backward launch");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jflash
+
+// The library is built with hidden visibility; export the two handler symbols
+// that jflash/_src/ffi.py looks up.
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JflashFwdCuda(XLA_FFI_CallFrame*);
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JflashBwdCuda(XLA_FFI_CallFrame*);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JflashFwdCuda, jflash::FwdCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // lse
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<int64_t>("diag_lo")
+                                  .Attr<int64_t>("diag_hi"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JflashBwdCuda, jflash::BwdCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // out
+                                  .Arg<ffi::AnyBuffer>()  // dout
+                                  .Arg<ffi::AnyBuffer>()  // lse
+                                  .Arg<ffi::AnyBuffer>()  // dlse
+                                  .Ret<ffi::AnyBuffer>()  // dq
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
+                                  .Ret<ffi::AnyBuffer>()  // dq_accum (scratch)
+                                  .Ret<ffi::AnyBuffer>()  // delta (scratch)
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<int64_t>("diag_lo")
+                                  .Attr<int64_t>("diag_hi"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,216 @@
+"""jflash.dot_product_attention: a drop-in for jax.nn.dot_product_attention.
+
+Same signature and results as jax.nn.dot_product_attention (jax 0.11). The
+arguments jflash handles run its kernels; the rest go to jax's own function
+(implementation=None) or raise (implementation="jflash").
+
+How jax's masks map to the kernels' band (csrc/include/jflash/mask.h), key j
+visible from query i iff diag_lo <= j - i <= diag_hi:
+  is_causal                      top-left: j <= i, so diag_hi = 0
+  local_window_size=(left, right)  i - left <= j <= i + right
+A query row that sees no key is where the two differ: jax fills masked logits
+with a large finite negative number, so such a row's softmax is uniform and its
+output is the mean of all values (its lse residual that large negative); the
+kernels write zeros. Those rows are known from the static shapes, and are
+patched here to jax's answer, gradients included.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jflash._src import validation
+from jflash._src.flash_attention import attention_band
+
+IMPLEMENTATIONS = (None, "jflash", "xla", "cudnn")
+
+# jax's masked-logit value, in the float32 its softmax runs in
+# (jax._src.nn.functions._get_large_negative).
+_JAX_MASKED_LOGIT = np.float32(-0.7 * np.finfo(np.float32).max)
+
+
+def _static_scale(scale):
+    """scale as a Python float, or None when it is traced (jflash needs it static)."""
+    if isinstance(scale, (bool, np.bool_)):
+        return None
+    if isinstance(scale, (numbers.Real, np.floating, np.integer)):
+        return float(scale)
+    if isinstance(scale, (np.ndarray, jax.Array)) and np.shape(scale) == ():
+        try:
+            return float(scale)
+        except jax.errors.ConcretizationTypeError:
+            return None
+    return None
+
+
+def _window(local_window_size):
+    """(left, right) from jax's int-or-pair convention, or None when not static ints."""
+    if isinstance(local_window_size, (numbers.Integral, np.integer)) and not isinstance(
+        local_window_size, bool
+    ):
+        return int(local_window_size), int(local_window_size)
+    if (
+        isinstance(local_window_size, (tuple, list))
+        and len(local_window_size) == 2
+        and all(
+            isinstance(w, (numbers.Integral, np.integer)) and not isinstance(w, bool)
+            for w in local_window_size
+        )
+    ):
+        return int(local_window_size[0]), int(local_window_size[1])
+    return None
+
+
+def _unsupported(query, key, value, bias, mask, scale, q_lengths, kv_lengths, window):
+    """Why the jflash kernels cannot run this call, or None when they can."""
+    for name, arg in (
+        ("bias", bias),
+        ("mask", mask),
+        ("query_seq_lengths", q_lengths),
+        ("key_value_seq_lengths", kv_lengths),
+    ):
+        if arg is not None:
+            return f"{name} is given (jflash supports is_causal and local_window_size masks only)"
+    shapes = {n: x.shape for n, x in (("query", query), ("key", key), ("value", value))}
+    ranks = {len(s) for s in shapes.values()}
+    if len(ranks) != 1 or ranks.pop() not in (3, 4):
+        return f"query, key and value must all have rank 3 or all rank 4, got shapes {shapes}"
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    if len(dtypes) != 1 or query.dtype not in validation.SUPPORTED_DTYPES:
+        return (
+            "query, key and value must share one dtype of float16, bfloat16 or float32, got "
+            f"{query.dtype}, {key.dtype} and {value.dtype}"
+        )
+    q = query.shape if query.ndim == 4 else (1, *query.shape)  # [B, T, N, H]
+    k = key.shape if key.ndim == 4 else (1, *key.shape)  # [B, S, K, H]
+    if key.shape != value.shape:
+        return f"key and value must have the same shape, got {key.shape} and {value.shape}"
+    if q[0] != k[0] or q[3] != k[3] or q[2] % k[2] != 0:
+        return (
+            "query [B, T, N, H] and key [B, S, K, H] need the same B and H and N a "
+            f"multiple of K, got query {query.shape} and key {key.shape}"
+        )
+    if q[3] > validation.MAX_HEAD_DIM:
+        return f"head dim {q[3]} exceeds {validation.MAX_HEAD_DIM}"
+    if 0 in q or 0 in k:
+        return f"zero-sized dimension in query {query.shape} or key {key.shape}"
+    if scale is not None and _static_scale(scale) is None:
+        return f"scale must be a static real number for jflash, got {type(scale).__name__}"
+    if window is not None and _window(window) is None:
+        return f"local_window_size must be an int or a pair of ints, got {window!r}"
+    return None
+
+
+def _band(seqlen_q, seqlen_k, is_causal, window):
+    diag_lo, diag_hi = -seqlen_q, seqlen_k
+    if is_causal:
+        diag_hi = 0
+    if window is not None:
+        left, right = window
+        diag_lo, diag_hi = max(diag_lo, -left), min(diag_hi, right)
+    return diag_lo, diag_hi
+
+
+def _rows_without_keys(seqlen_q, seqlen_k, diag_lo, diag_hi):
+    """[seq_q] bool, True where the band holds no key of [0, seq_k)."""
+    rows = np.arange(seqlen_q)
+    first = np.maximum(rows + diag_lo, 0)
+    last = np.minimum(rows + diag_hi, seqlen_k - 1)
+    return first > last
+
+
+def dot_product_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    scale=None,
+    is_causal=False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size=None,
+    implementation=None,
+    return_residual=False,
+):
+    """jax.nn.dot_product_attention, computed by the jflash kernels where they apply.
+
+    Arguments and results are those of jax.nn.dot_product_attention: query
+    [B, T, N, H] or [T, N, H], key and value [B, S, K, H] or [S, K, H] (GQA when
+    K < N), top-left causal mask, local_window_size=(left, right) or an int,
+    return_residual gives the logsumexp [B, T, N] in the input dtype.
+
+    jflash runs when bias, mask, query_seq_lengths and key_value_seq_lengths
+    are None, query/key/value share a dtype of float16, bfloat16 or float32,
+    head dim <= 256, and scale is static. Rows that see no key give jax's
+    result (the mean of the values), not the kernels' zeros.
+
+    Args:
+      implementation: None: jflash when supported, else jax's own function
+        (its default, XLA). "jflash": jflash, or a ValueError saying why it
+        cannot run. "xla" or "cudnn": passed to jax.nn.dot_product_attention
+        unchanged. On GPU, jflash computes float32 inputs at bfloat16 precision
+        with float32 accumulation (README); pass "xla" for float32 matmuls.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
+        )
+
+    def jax_attention(implementation):
+        return jax.nn.dot_product_attention(
+            query,
+            key,
+            value,
+            bias,
+            mask,
+            scale=scale,
+            is_causal=is_causal,
+            query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths,
+            local_window_size=local_window_size,
+            implementation=implementation,
+            return_residual=return_residual,
+        )
+
+    if implementation in ("xla", "cudnn"):
+        return jax_attention(implementation)
+    q, k, v = (jnp.asarray(x) for x in (query, key, value))
+    reason = _unsupported(
+        q, k, v, bias, mask, scale, query_seq_lengths, key_value_seq_lengths, local_window_size
+    )
+    if reason is not None:
+        if implementation == "jflash":
+            raise ValueError(f"implementation='jflash' cannot run this call: {reason}")
+        return jax_attention(None)
+
+    output_shape = q.shape
+    if q.ndim == 3:
+        q, k, v = q[None], k[None], v[None]
+    _, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
+    window = None if local_window_size is None else _window(local_window_size)
+    diag_lo, diag_hi = _band(seqlen_q, seqlen_k, bool(is_causal), window)
+    softmax_scale = 1.0 / np.sqrt(head_dim) if scale is None else _static_scale(scale)
+    out, lse = attention_band(
+        q, k, v, softmax_scale=float(softmax_scale), diag_lo=diag_lo, diag_hi=diag_hi
+    )
+    empty = _rows_without_keys(seqlen_q, seqlen_k, diag_lo, diag_hi)
+    if empty.any():
+        group = num_heads // num_heads_kv
+        mean_v = jnp.repeat(jnp.mean(v.astype(jnp.float32), axis=1), group, axis=1)
+        rows = jnp.asarray(empty)[None, :, None, None]  # [1, T, 1, 1]
+        # Merged in float32 and rounded once, so that dv, which sums both
+        # paths' gradients, is rounded once more at most.
+        out = jnp.where(rows, mean_v[:, None], out.astype(jnp.float32)).astype(q.dtype)
+        lse = jnp.where(jnp.asarray(empty)[None, None, :], _JAX_MASKED_LOGIT, lse)
+    out = jnp.reshape(out, output_shape)
+    if not return_residual:
+        return out
+    residual = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)).astype(k.dtype))
+    return out, jnp.reshape(residual, output_shape[:-1])

@@ -1,0 +1,239 @@
+"""How the forward and backward custom calls partition under jax.jit.
+
+An FFI call is opaque to XLA's partitioner: given sharded operands it gathers
+them and runs the call whole on every device. Attention is independent across
+batch and heads, so each device can run the kernel on its own shard instead.
+Both calls are wrapped in jax.experimental.custom_partitioning with a Shardy
+sharding rule, one factor per dimension:
+
+  forward   q [... b sq (hk g) d], k, v [... b sk hk d]
+              -> out [... b sq (hk g) d], lse [... b (hk g) sq]
+  backward  q, k, v, out, dout [like q], lse, dlse [like lse]
+              -> dq [like q], dk, dv [like k]
+
+Query heads are the compound factor (hk g): kv head hk serves query heads
+hk * g ... hk * g + g - 1 (GQA), so sharding heads shards q and k/v alike.
+Factors the kernels cannot split need replication, and Shardy gathers them
+before the call (correct, not free):
+  sq, sk  the band mask is written in absolute positions, so a sequence shard
+          would need its own offsets (sequence parallelism is ring attention);
+  d       contracted in q.k;
+  g       backward only: dk and dv sum over the g query heads of their kv head,
+          so a shard of g would hold a partial sum.
+
+Two things custom_partitioning does not do itself:
+  - batching: custom_partitioning_p has no vmap rule. Each partitioned call is
+    wrapped in custom_vmap, whose rule moves the vmapped axis in front and calls
+    the partitioned function again on the higher rank; the rules' leading "..."
+    and the FFI handlers (which fold leading axes into batch) take any number of
+    leading axes.
+  - programs with one device or only manual axes (shard_map, pmap) never reach
+    the partitioner: custom_partitioning lowers its body inline there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+# HLO collectives that a batch- or heads-sharded call must not need.
+AVOIDED_COLLECTIVES = ("all-gather", "all-to-all", "collective-permute")
+
+
+def _heads_factor(num_heads, num_heads_kv):
+    """The query-heads factor of the rule and the factor sizes it needs."""
+    if num_heads == num_heads_kv:
+        return "hk", {}
+    if num_heads_kv == 1:  # MQA: Shardy allows no size-1 factor in a compound
+        return "g", {}
+    return "(hk g)", {"g": num_heads // num_heads_kv}
+
+
+def _in_rule_order(rule, factors):
+    """factors sorted by first appearance in rule, the order Shardy requires."""
+    order = rule.replace("(", " ").replace(")", " ").replace(",", " ").split()
+    return tuple(sorted(factors, key=order.index))
+
+
+def _fwd_rule(static, mesh, value_types, result_types):
+    del static, mesh, result_types
+    num_heads, num_heads_kv = value_types[0].shape[-2], value_types[1].shape[-2]
+    h, sizes = _heads_factor(num_heads, num_heads_kv)
+    q, kv, row = f"... b sq {h} d", "... b sk hk d", f"... b {h} sq"
+    rule = f"{q}, {kv}, {kv} -> {q}, {row}"
+    return rule, dict(sizes, need_replication_factors=_in_rule_order(rule, ("sq", "sk", "d")))
+
+
+def _bwd_rule(static, mesh, value_types, result_types):
+    del static, mesh, result_types
+    num_heads, num_heads_kv = value_types[0].shape[-2], value_types[1].shape[-2]
+    h, sizes = _heads_factor(num_heads, num_heads_kv)
+    q, kv, row = f"... b sq {h} d", "... b sk hk d", f"... b {h} sq"
+    rule = f"{q}, {kv}, {kv}, {q}, {q}, {row}, {row} -> {q}, {kv}, {kv}"
+    replicated = ("sq", "sk", "d") + (("g",) if "g" in h else ())
+    return rule, dict(sizes, need_replication_factors=_in_rule_order(rule, replicated))
+
+
+def _spec(sharding, ndim, mesh):
+    """The PartitionSpec of an operand's sharding, or None when it has none.
+
+    Shardy may split a mesh axis between factors (sub-axes, e.g. query heads
+    over 4 devices with 2 kv heads), which no PartitionSpec expresses; so the
+    shardings arrive undecoded (decode_shardings=False) and are parsed here.
+    """
+    from jax._src.sharding_impls import parse_flatten_op_sharding
+
+    if mesh.empty:
+        return None
+    try:
+        spec = tuple(parse_flatten_op_sharding(sharding._hlo_sharding, mesh)[0])  # noqa: SLF001
+    except (ValueError, StopIteration):
+        return None
+    return spec + (None,) * (ndim - len(spec))
+
+
+def _local_shardings(mesh, arg_shapes, *, backward):
+    """(q-like, kv, row) shardings for the per-device call.
+
+    Only leading/batch and heads axes stay sharded, and heads only when every
+    device's query heads read exactly its own kv heads (kv heads sharded like
+    query heads); MQA with replicated kv heads qualifies in the forward pass.
+    Anything else replicates heads (or everything, when the shardings name no
+    mesh axes), which is correct and gathers.
+    """
+    q, k = arg_shapes[0], arg_shapes[1]
+    q_spec = _spec(q.sharding, len(q.shape), mesh)
+    k_spec = _spec(k.sharding, len(k.shape), mesh)
+    if q_spec is None:
+        if mesh.empty:
+            from jax._src.sharding_impls import GSPMDSharding
+
+            devices = q.sharding._device_assignment  # noqa: SLF001
+            return (GSPMDSharding.get_replicated(devices),) * 3
+        q_spec = (None,) * len(q.shape)
+    lead = q_spec[:-3]  # vmapped axes and batch
+    heads = q_spec[-2]
+    heads_kv = None if k_spec is None else k_spec[-2]
+    mqa_forward = not backward and k.shape[-2] == 1 and heads_kv is None
+    if heads != heads_kv and not mqa_forward:
+        heads = heads_kv = None
+
+    def named(*dims):
+        return NamedSharding(mesh, PartitionSpec(*lead, *dims))
+
+    return named(None, heads, None), named(None, heads_kv, None), named(heads, None)
+
+
+def _partitioned(call, rule, local_shardings, result_specs):
+    """custom_partitioning of call(*arrays, **static) with a custom_vmap around it.
+
+    result_specs maps the operands' full PartitionSpecs to the results' specs
+    (used under Explicit mesh axes only)."""
+
+    @functools.partial(custom_partitioning, static_argnums=(0,))
+    def partitioned(static, *arrays):
+        return call(*arrays, **dict(static))
+
+    def partition(static, mesh, arg_shapes, result_shape):
+        del result_shape
+        result_shardings, arg_shardings = local_shardings(mesh, arg_shapes)
+        return mesh, functools.partial(call, **dict(static)), result_shardings, arg_shardings
+
+    partitioned.def_partition(partition=partition, sharding_rule=rule, decode_shardings=False)
+
+    def batched_call(*arrays, **static):
+        static = tuple(sorted(static.items()))
+
+        @jax.custom_batching.custom_vmap
+        def batched(*arrays):
+            return partitioned(static, *arrays)
+
+        @batched.def_vmap
+        def vmap_rule(axis_size, in_batched, *arrays):
+            # custom_vmap puts the batched axis first; broadcast the unbatched
+            # operands so that all of them gain the same leading axis.
+            arrays = [
+                a if is_batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+                for a, is_batched in zip(arrays, in_batched, strict=True)
+            ]
+            out = batched(*arrays)
+            return out, jax.tree.map(lambda _: True, out)
+
+        results = _with_auto_axes(batched, arrays, result_specs)
+        return _restore_varying_axes(arrays, results)
+
+    return batched_call
+
+
+def _with_auto_axes(fn, operands, result_specs):
+    """fn(*operands), its explicit mesh axes (jax.set_mesh) made Auto for the call.
+
+    Under Explicit axes an ffi_call's results are typed replicated, which would
+    gather them and break custom_vjp's check that gradients are typed like
+    their primals. Inside auto_axes the partitioner places the call by the
+    rules above; the results then get the types result_specs derives from the
+    operands' (moving no data when those agree with the rules).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.explicit_axes:
+        return fn(*operands)
+    specs = []
+    for a in operands:
+        spec = tuple(jax.typeof(a).sharding.spec)
+        specs.append(spec + (None,) * (a.ndim - len(spec)))
+    out_sharding = tuple(PartitionSpec(*spec) for spec in result_specs(specs))
+    return jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=out_sharding)(
+        *operands
+    )
+
+
+def _restore_varying_axes(operands, results):
+    """Types results as varying over every manual axis an operand varies over.
+
+    Inside jax.shard_map (check_vma=True), ffi_call types its results as
+    invariant across the manual axes even when computed from per-device
+    operands, and custom_vjp then rejects gradients that differ in type from
+    their primals. pcast to "varying" fixes the type and moves no data.
+    """
+    varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in operands))
+    if not varying:
+        return results
+
+    def cast(x):
+        missing = varying - jax.typeof(x).manual_axis_type.varying
+        return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+    return jax.tree.map(cast, results)
+
+
+def _fwd_shardings(mesh, arg_shapes):
+    q_like, kv, row = _local_shardings(mesh, arg_shapes, backward=False)
+    return (q_like, row), (q_like, kv, kv)
+
+
+def _bwd_shardings(mesh, arg_shapes):
+    q_like, kv, row = _local_shardings(mesh, arg_shapes, backward=True)
+    return (q_like, kv, kv), (q_like, kv, kv, q_like, q_like, row, row)
+
+
+def _fwd_result_specs(specs):
+    q = specs[0]  # [... b sq h d]
+    return q, (*q[:-3], q[-2], q[-3])  # out like q; lse [... b h sq]
+
+
+def _bwd_result_specs(specs):
+    return specs[0], specs[1], specs[2]  # dq, dk, dv typed like q, k, v
+
+
+def partitioned_fwd(call):
+    """call(q, k, v, **static) -> (out, lse), partitioned by the forward rule."""
+    return _partitioned(call, _fwd_rule, _fwd_shardings, _fwd_result_specs)
+
+
+def partitioned_bwd(call):
+    """call(q, k, v, out, dout, lse, dlse, **static) -> (dq, dk, dv), by the backward rule."""
+    return _partitioned(call, _bwd_rule, _bwd_shardings, _bwd_result_specs)

@@ -1,0 +1,107 @@
+"""Checks that only mean something for the CUDA kernels; skipped without a GPU.
+
+The general suite (test_flash_attention.py, ...) already runs on the GPU when
+one is present. These add what is specific to the CUDA tiling: lengths around
+the tile sizes of csrc/cuda/tile_sizes.h (block_m 64/128, block_n 64/128),
+bands whose edges cut tiles, GQA groups summed inside the backward kernel,
+fully masked rows next to visible ones in one tile, and the error a build
+without an instantiation must give.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jflash
+from checks import assert_within_rule
+from jflash._src.flash_attention import attention_band
+from jflash.reference import attention_band as reference_band
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "gpu" or not jflash.HAS_CUDA_KERNELS,
+    reason="needs a CUDA GPU and a jflash build with CUDA kernels",
+)
+
+DTYPES = [jnp.bfloat16, jnp.float16]
+
+# (batch, seq_q, seq_k, num_heads, num_heads_kv, head_dim, diag_lo, diag_hi);
+# None bounds mean "no mask" (the unmasked instantiation).
+CASES = [
+    (1, 1, 1, 2, 2, 128, None, None),
+    (2, 17, 17, 2, 1, 128, None, None),  # MQA, less than one tile
+    (1, 129, 1000, 4, 2, 128, None, None),  # GQA, one row past a tile, seq_q < seq_k
+    (1, 1000, 129, 4, 4, 128, None, None),  # seq_q > seq_k
+    (1, 1000, 129, 4, 2, 128, -1000, 129 - 1000),  # bottom-right causal: 871 rows see nothing
+    (1, 129, 1000, 2, 2, 128, -129, 1000 - 129),  # bottom-right causal, seq_q < seq_k
+    (2, 300, 300, 2, 1, 128, -70, -5),  # sliding window; rows 0..4 see no key
+    (1, 257, 255, 6, 2, 128, -3, 40),  # narrow band crossing every tile diagonally
+    (1, 130, 190, 2, 2, 64, -10, 10),
+    (1, 130, 190, 2, 2, 96, -200, 0),  # swizzle-32 head dim, top-left causal
+    (1, 130, 190, 4, 2, 256, None, None),  # 8-warp forward, 64-key backward tiles
+    (1, 77, 130, 4, 1, 256, -30, 30),
+    (1, 65, 63, 2, 2, 32, None, None),
+]
+
+
+def _case_id(case):
+    b, sq, sk, h, hkv, d, lo, hi = case
+    mask = "full" if lo is None else f"band{lo}_{hi}"
+    return f"b{b}_q{sq}_k{sk}_h{h}_{hkv}_d{d}_{mask}"
+
+
+def _run(fn, q, k, v, g_out, g_lse):
+    """(out, lse, dq, dk, dv) with the lse cotangent included (masked rows excluded)."""
+
+    def loss(q, k, v):
+        out, lse = fn(q, k, v)
+        finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(out.astype(jnp.float32) * g_out) + jnp.sum(finite_lse * g_lse), (out, lse)
+
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        q, k, v
+    )
+    return (out, lse, *grads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_against_reference(rng, case, dtype):
+    b, sq, sk, h, hkv, d, lo, hi = case
+    if lo is None:
+        lo, hi = -sq, sk
+    scale = 1.0 / np.sqrt(d)
+    q = jnp.asarray(rng.standard_normal((b, sq, h, d)), dtype)
+    k = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
+    g_out = jnp.asarray(rng.standard_normal((b, sq, h, d)), jnp.float32)
+    g_lse = jnp.asarray(rng.standard_normal((b, h, sq)), jnp.float32)
+    kw = dict(softmax_scale=scale, diag_lo=lo, diag_hi=hi)
+
+    got = _run(lambda q, k, v: attention_band(q, k, v, **kw), q, k, v, g_out, g_lse)
+    truth = _run(lambda q, k, v: reference_band(q, k, v, **kw), q, k, v, g_out, g_lse)
+    plain = _run(lambda q, k, v: reference_band(q, k, v, dtype=dtype, **kw), q, k, v, g_out, g_lse)
+
+    truth_np = [np.asarray(jnp.asarray(t, jnp.float32), np.float64) for t in truth]
+    for name, x, p, t in zip(("out", "lse", "dq", "dk", "dv"), got, plain, truth_np):
+        assert_within_rule(name, x, p, t, dtype)
+
+    # Rows that see no key: out 0, lse -inf, zero gradient, never NaN.
+    rows = np.arange(sq)
+    seen = (np.minimum(sk - 1, rows + hi) >= np.maximum(0, rows + lo))
+    out, lse, dq = (np.asarray(jnp.asarray(x, jnp.float32)) for x in (got[0], got[1], got[2]))
+    assert np.all(out[:, ~seen] == 0) and np.all(dq[:, ~seen] == 0)
+    assert np.all(np.isneginf(lse[:, :, ~seen])) and np.all(np.isfinite(lse[:, :, seen]))
+
+
+def test_repeatable(rng):
+    """The same inputs give bitwise the same forward (no races between warps)."""
+    q = jnp.asarray(rng.standard_normal((1, 515, 4, 128)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((1, 700, 2, 128)), jnp.bfloat16)
+    fn = jax.jit(lambda q, k: jflash.flash_attention(q, k, k, causal=True, return_lse=True))
+    first = fn(q, k)
+    for _ in range(3):
+        again = fn(q, k)
+        assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(first, again))

@@ -1,0 +1,181 @@
+"""jflash.flax against Flax's own attention layers, with the same parameters.
+
+Each test builds Flax's layer and jflash's (or Flax's layer with jflash's
+attention_fn), runs both on the same random inputs, and compares outputs and
+the gradients with respect to parameters and inputs. float32, so tolerances
+are tight.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+flax = pytest.importorskip("flax")
+import flax.linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jflash.flax  # noqa: E402
+
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def _assert_trees_close(got, want, **tol):
+    jax.tree.map(
+        lambda g, w: np.testing.assert_allclose(
+            np.asarray(g, np.float64), np.asarray(w, np.float64), **(tol or TOL)
+        ),
+        got,
+        want,
+    )
+
+
+def _linen_value_and_grads(module, params, x, dout, **call_kw):
+    """Output and gradients (params, input) of sum(module(x) * dout)."""
+
+    def loss(params, x):
+        out = module.apply({"params": params}, x, **call_kw)
+        return jnp.sum(out * dout), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+    return out, grads
+
+
+def _inputs(rng, batch=2, length=24, features=48):
+    x = jnp.asarray(rng.standard_normal((batch, length, features)), jnp.float32)
+    dout = jnp.asarray(rng.standard_normal((batch, length, features)), jnp.float32)
+    return x, dout
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_linen_module_matches_flax(rng, is_causal):
+    x, dout = _inputs(rng)
+    ours = jflash.flax.linen.MultiHeadAttention(num_heads=4, is_causal=is_causal)
+    theirs = nn.MultiHeadDotProductAttention(num_heads=4)
+    params = ours.init(jax.random.key(int(rng.integers(1 << 30))), x)["params"]
+    mask = nn.make_causal_mask(x[..., 0]) if is_causal else None
+    want = _linen_value_and_grads(theirs, params, x, dout, mask=mask)
+    got = _linen_value_and_grads(ours, params, x, dout)
+    _assert_trees_close(got, want)
+
+
+def test_linen_module_gqa_window_matches_xla(rng):
+    """Flax's linen layer has no GQA: compare with the same layer on jax's XLA attention."""
+    x, dout = _inputs(rng, batch=3, length=20)
+    kw = dict(num_heads=6, num_kv_heads=2, qkv_features=96, is_causal=True, local_window_size=5)
+    ours = jflash.flax.linen.MultiHeadAttention(**kw)
+    params = ours.init(jax.random.key(int(rng.integers(1 << 30))), x)["params"]
+    assert params["key"]["kernel"].shape == (48, 2, 16)
+    want = _linen_value_and_grads(
+        jflash.flax.linen.MultiHeadAttention(**kw, implementation="xla"), params, x, dout
+    )
+    got = _linen_value_and_grads(ours, params, x, dout)
+    _assert_trees_close(got, want)
+
+
+def _nnx_value_and_grads(model, x, dout, **call_kw):
+    def loss(model, x):
+        out = model(x, **call_kw)
+        return jnp.sum(out * dout), out
+
+    (_, out), grads = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(model, x)
+    return out, (nnx.state(grads[0], nnx.Param), grads[1])
+
+
+def _copy_projections(src, dst):
+    for name in ("query", "key", "value", "out"):
+        for param in ("kernel", "bias"):
+            target = getattr(getattr(dst, name), param)
+            target[...] = getattr(getattr(src, name), param)[...]
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_nnx_module_matches_flax(rng, num_kv_heads):
+    x, dout = _inputs(rng)
+    seed = int(rng.integers(1 << 30))
+    kw = dict(num_heads=4, in_features=48, num_kv_heads=num_kv_heads)
+    ours = jflash.flax.nnx.MultiHeadAttention(**kw, is_causal=True, rngs=nnx.Rngs(seed))
+    theirs = nnx.MultiHeadAttention(**kw, decode=False, rngs=nnx.Rngs(seed + 1))
+    _copy_projections(ours, theirs)
+    out, (grads, dx) = _nnx_value_and_grads(ours, x, dout)
+    want_out, (want_grads, want_dx) = _nnx_value_and_grads(theirs, x, dout, is_causal=True)
+    _assert_trees_close(out, want_out)
+    _assert_trees_close(dx, want_dx)
+    for name in ("query", "key", "value", "out"):
+        _assert_trees_close(grads[name], want_grads[name])
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_attention_fn_in_linen_layer(rng, is_causal):
+    """flax.linen.MultiHeadDotProductAttention(attention_fn=jflash.flax.attention_fn)."""
+    x, dout = _inputs(rng)
+    attention_fn = functools.partial(jflash.flax.attention_fn, is_causal=is_causal)
+    ours = nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=attention_fn)
+    theirs = nn.MultiHeadDotProductAttention(num_heads=4)
+    params = theirs.init(jax.random.key(int(rng.integers(1 << 30))), x)["params"]
+    mask = nn.make_causal_mask(x[..., 0]) if is_causal else None
+    want = _linen_value_and_grads(theirs, params, x, dout, mask=mask)
+    got = _linen_value_and_grads(ours, params, x, dout)
+    _assert_trees_close(got, want)
+    lowered = jax.jit(lambda p, x: ours.apply({"params": p}, x)).lower(params, x).as_text()
+    assert "jflash_fwd" in lowered
+
+
+def test_attention_fn_falls_back_for_mask_and_dropout(rng):
+    """A mask or active dropout is Flax's job: the results are Flax's own, exactly."""
+    x, _ = _inputs(rng)
+    mask = jnp.asarray(rng.random((2, 1, 24, 24)) < 0.8)
+    kw = dict(num_heads=4, dropout_rate=0.3, deterministic=False)
+    ours = nn.MultiHeadDotProductAttention(**kw, attention_fn=jflash.flax.attention_fn)
+    theirs = nn.MultiHeadDotProductAttention(**kw)
+    params = theirs.init(jax.random.key(0), x)["params"]
+    rngs = {"dropout": jax.random.key(int(rng.integers(1 << 30)))}
+    got = ours.apply({"params": params}, x, mask=mask, rngs=rngs)
+    want = theirs.apply({"params": params}, x, mask=mask, rngs=rngs)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_attention_fn_in_nnx_layer(rng, num_kv_heads):
+    """flax.nnx.MultiHeadAttention(attention_fn=jflash.flax.attention_fn), is_causal
+    passed by nnx itself."""
+    x, dout = _inputs(rng)
+    seed = int(rng.integers(1 << 30))
+    kw = dict(num_heads=4, in_features=48, num_kv_heads=num_kv_heads, decode=False)
+    ours = nnx.MultiHeadAttention(**kw, attention_fn=jflash.flax.attention_fn, rngs=nnx.Rngs(seed))
+    theirs = nnx.MultiHeadAttention(**kw, rngs=nnx.Rngs(seed))
+    _copy_projections(ours, theirs)
+    for is_causal in (False, True):
+        out, (grads, dx) = _nnx_value_and_grads(ours, x, dout, is_causal=is_causal)
+        want_out, (want_grads, want_dx) = _nnx_value_and_grads(theirs, x, dout, is_causal=is_causal)
+        _assert_trees_close(out, want_out)
+        _assert_trees_close(dx, want_dx)
+        _assert_trees_close(grads, want_grads)
+
+
+def test_bfloat16_module_follows_the_rule(rng):
+    """dtype=bfloat16 computation with float32 parameters: jflash's error against the
+    float32 layer is at most about Flax's own bfloat16 error."""
+    x, _ = _inputs(rng)
+    layer = functools.partial(nn.MultiHeadDotProductAttention, num_heads=4)
+    params = layer().init(jax.random.key(int(rng.integers(1 << 30))), x)["params"]
+    ours = jflash.flax.linen.MultiHeadAttention(num_heads=4, dtype=jnp.bfloat16)
+    got = ours.apply({"params": params}, x)
+    assert got.dtype == jnp.bfloat16
+    truth = np.asarray(layer().apply({"params": params}, x), np.float64)
+    plain = np.asarray(layer(dtype=jnp.bfloat16).apply({"params": params}, x), np.float64)
+    got_err = np.abs(np.asarray(got, np.float64) - truth).max()
+    plain_err = np.abs(plain - truth).max()
+    assert got_err <= 2 * plain_err + 1e-4 * max(1.0, np.abs(truth).max())
+
+
+def test_import_jflash_does_not_import_flax():
+    import subprocess
+    import sys
+
+    code = "import sys, jflash; assert 'flax' not in sys.modules, 'flax imported'"
+    subprocess.run([sys.executable, "-P", "-c", code], check=True)
