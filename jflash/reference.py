@@ -7,6 +7,8 @@ checking, not for speed.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -28,7 +30,10 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, dtype=
     q = query.astype(dtype)
     k = jnp.repeat(key.astype(dtype), group, axis=2)  # kv head h // group serves query head h
     v = jnp.repeat(value.astype(dtype), group, axis=2)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(softmax_scale, dtype)
+    # HIGHEST: on GPU a float32 einsum otherwise runs in TF32, and the reference
+    # would be no more exact than the kernels it judges.
+    einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+    scores = einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(softmax_scale, dtype)
     offset = jnp.arange(seqlen_k)[None, :] - jnp.arange(seqlen_q)[:, None]  # j - i
     visible = (offset >= diag_lo) & (offset <= diag_hi)
     scores = jnp.where(visible, scores, -jnp.inf)
@@ -39,7 +44,7 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, dtype=
     denom = jnp.sum(p, axis=-1, keepdims=True)
     seen = denom > 0
     safe_denom = jnp.where(seen, denom, 1)
-    out = jnp.einsum("bhqk,bkhd->bqhd", p / safe_denom, v)
+    out = einsum("bhqk,bkhd->bqhd", p / safe_denom, v)
     lse = jnp.where(seen, jnp.log(safe_denom) + row_max, -jnp.inf)[..., 0]
     return out.astype(query.dtype), lse.astype(jnp.float32)
 

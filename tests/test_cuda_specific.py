@@ -43,6 +43,9 @@ CASES = [
     (1, 130, 190, 4, 2, 256, None, None),  # 8-warp forward, 64-key backward tiles
     (1, 77, 130, 4, 1, 256, -30, 30),
     (1, 65, 63, 2, 2, 32, None, None),
+    (1, 100, 70, 2, 1, 160, -50, 5),
+    (1, 70, 100, 2, 2, 192, None, None),
+    (2, 90, 90, 2, 2, 224, -90, 0),  # single-buffered Q/dO backward
 ]
 
 
@@ -80,7 +83,14 @@ def test_against_reference(rng, case, dtype):
     g_lse = jnp.asarray(rng.standard_normal((b, h, sq)), jnp.float32)
     kw = dict(softmax_scale=scale, diag_lo=lo, diag_hi=hi)
 
-    got = _run(lambda q, k, v: attention_band(q, k, v, **kw), q, k, v, g_out, g_lse)
+    try:
+        got = jax.block_until_ready(
+            _run(lambda q, k, v: attention_band(q, k, v, **kw), q, k, v, g_out, g_lse)
+        )
+    except Exception as e:  # a development build may leave instantiations out
+        if "JFLASH_CUDA_SUBSET" not in str(e):
+            raise
+        pytest.skip(f"instantiation not compiled in: {str(e).splitlines()[0][:200]}")
     truth = _run(lambda q, k, v: reference_band(q, k, v, **kw), q, k, v, g_out, g_lse)
     plain = _run(lambda q, k, v: reference_band(q, k, v, dtype=dtype, **kw), q, k, v, g_out, g_lse)
 

@@ -7,6 +7,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 namespace jflash::cpu {
 namespace {
 
@@ -75,10 +77,19 @@ class ThreadPool {
 };
 
 ThreadPool& Pool() {
-  // Never destroyed: workers stay parked in WorkerLoop until the process exits,
-  // and joining them from a static destructor would race with exit().
-  static ThreadPool* pool = new ThreadPool(
-      std::thread::hardware_concurrency() > 0 ? std::thread::hardware_concurrency() : 1);
+  // Pools are never destroyed: workers stay parked in WorkerLoop until the
+  // process exits, and joining them from a static destructor would race with
+  // exit(). A forked child inherits the pool but none of its threads, so it
+  // gets a pool of its own instead of waiting forever for workers that are gone.
+  static std::mutex mutex;
+  static ThreadPool* pool = nullptr;
+  static pid_t pool_pid = 0;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (pool == nullptr || pool_pid != getpid()) {
+    const unsigned threads = std::thread::hardware_concurrency();
+    pool = new ThreadPool(threads > 0 ? static_cast<int>(threads) : 1);
+    pool_pid = getpid();
+  }
   return *pool;
 }
 

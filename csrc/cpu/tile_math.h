@@ -50,13 +50,15 @@ namespace jflash::cpu {
 // Query and key blocks are multiples of kAlign = lcm(MR, NR) because queries are
 // both the NR axis of s_t and the MR axis of the o/dq GEMMs, keys the MR axis of
 // s_t and dk/dv.
-// Block sizes: the forward working set (q_t, k, v, s_t, o at d = 64) is
-// (2 * block_q + 2 * block_k) * 64 * 4 + block_k * block_q * 4 bytes: 128 x 64
-// is 128 KiB, inside a 1-2 MiB L2 with the micro-panels (d x NR, block_k x NR,
-// 8 KiB) streaming from L1; the K/V load and conversion is amortized over 128
-// queries. Measured on a 2-core Zen 4 (seq 4096, d 64, float32): 128 x 64 beat
-// 64 x 64 by ~10% and 128 x 128 / 256 x 64 by ~3%. The backward keeps six
-// d-wide tiles live, so it uses 64 x 64.
+// Block sizes: the forward working set at d = 64 (q_t, o: block_q x d; k, v:
+// block_k x d; s_t: block_k x block_q) is 128 KiB for 128 x 64, inside L2 with
+// the micro-panels (d x NR, block_k x NR: 8 KiB) streaming from L1, and each K/V
+// tile load and conversion is shared by 128 queries. The backward keeps more
+// tiles live (q, q^T, dO, dO^T, k, v, dk, dv, P^T, dS^T): 256 KiB at 64 x 128.
+// Measured on a 2-core Zen 4 (AVX-512 row; CPU time, seq 4096 / 2048, d 64,
+// float32): forward 128 x 64 beat 64 x 64 and 64 x 128 by 5-7% and was within
+// 2% of 128 x 128 and 256 x 64; backward 64 x 128 beat 64 x 64 and 128 x 64 by
+// 3-5%. The AVX2 and SSE2 rows use the same working-set budget, not measured.
 struct Avx512Tiles {
   typedef float Vec __attribute__((vector_size(64)));
   typedef int32_t IntVec __attribute__((vector_size(64)));
@@ -67,7 +69,7 @@ struct Avx512Tiles {
   static constexpr int kFwdBlockQ = 128;
   static constexpr int kFwdBlockK = 64;
   static constexpr int kBwdBlockQ = 64;
-  static constexpr int kBwdBlockK = 64;
+  static constexpr int kBwdBlockK = 128;
 };
 
 struct Avx2Tiles {

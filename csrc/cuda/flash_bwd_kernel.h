@@ -12,9 +12,9 @@
 //      dK (times softmax_scale) and dV written once per kv head.
 //   3. dq = softmax_scale * dQ_accum, cast and transposed to [b, s, h, d].
 //
-// Shared memory holds K, V (whole CTA), the Q and dO tiles of the current step,
-// and P, dS as half-precision operands. The next step's dO streams in while dK
-// and dQ are computed, the next Q while dQ is computed.
+// Shared memory holds K, V (whole CTA), the Q and dO tiles of the current step
+// (two buffers where the tile table allows: the next step's tiles stream in
+// during the whole step), and P, dS as half-precision operands.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -96,6 +96,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kQStages = Traits::kQStages;
 
   extern __shared__ __align__(128) char smem[];
   const int n_block = blockIdx.x;
@@ -120,8 +121,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
                           typename Traits::SmemLayoutQ{});
-  Tensor sdO = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(sdO.data() + size(sdO), typename Traits::SmemLayoutKV{});
+  // Q and dO have kQStages buffers each; the tensors below address stage 0 and
+  // at_stage() shifts a view of them to another stage.
+  Tensor sdO = make_tensor(sQ.data() + kQStages * size(sQ), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(sdO.data() + kQStages * size(sdO), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
   Tensor sP = make_tensor(sV.data() + size(sV), typename Traits::SmemLayoutPdS{});
   Tensor sdS = make_tensor(sP.data() + size(sP), typename Traits::SmemLayoutPdS{});
@@ -146,9 +149,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
+  // The same view of Q or dO smem, in stage `stage` (stage buffers are
+  // size(sQ) elements apart, a multiple of the swizzle period).
+  auto at_stage = [&](auto const& t, int stage) {
+    return make_tensor(t.data() + stage * int(size(sQ)), t.layout());
+  };
+
   // Loads the Q or dO tile of step `step` (query head, query block).
   auto load_rows = [&](const void* base, int64_t batch_stride, int64_t row_stride,
-                       int64_t head_stride, int step, auto& dst) {
+                       int64_t head_stride, int step, auto dst) {
     const int head = head0 + step / num_m_blocks;
     const int m_block = m_block_begin + step % num_m_blocks;
     const Element* ptr = static_cast<const Element*>(base) + batch * batch_stride +
@@ -158,12 +167,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     copy_rows(gmem_tiled_copy, gmem_thr_copy.partition_S(g), dst, tQcQ,
               params.seqlen_q - m_block * kBlockM);
   };
-  auto load_q = [&](int step) {
-    load_rows(params.q, params.q_batch_stride, params.q_row_stride, params.q_head_stride, step, tQsQ);
-  };
-  auto load_do = [&](int step) {
+  auto load_q_do = [&](int step, int stage) {
+    load_rows(params.q, params.q_batch_stride, params.q_row_stride, params.q_head_stride, step,
+              at_stage(tQsQ, stage));
     load_rows(params.dout, params.dout_batch_stride, params.dout_row_stride,
-              params.dout_head_stride, step, tdOsdO);
+              params.dout_head_stride, step, at_stage(tdOsdO, stage));
   };
 
   // S = Q K^T and dP = dO V^T.
@@ -237,8 +245,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     copy_rows(gmem_tiled_copy,
               k_tile(params.v, params.v_batch_stride, params.v_row_stride, params.v_head_stride),
               tVsV, tKVcKV, params.seqlen_k - key0);
-    load_q(0);
-    load_do(0);
+    load_q_do(0, 0);
     cp_async_fence();
   }
 
@@ -261,16 +268,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
 
     cp_async_wait<0>();
-    __syncthreads();  // Q, dO (and K, V) tiles visible to all warps
+    __syncthreads();  // Q, dO (and K, V) tiles visible; every warp is done with the last step
+    const int stage = kQStages == 2 ? step % 2 : 0;
+    if constexpr (kQStages == 2) {
+      if (step + 1 < num_steps) {
+        load_q_do(step + 1, stage ^ 1);
+        cp_async_fence();
+      }
+    }
 
     // S = Q K^T and dP = dO V^T   (block_m x block_n)
     Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
-    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma_sdp, smem_tiled_copy_QdO, smem_thr_copy_QdO,
+    gemm_ss(acc_s, tSrQ, tSrK, at_stage(tSsQ, stage), tSsK, tiled_mma_sdp, smem_tiled_copy_QdO, smem_thr_copy_QdO,
             smem_tiled_copy_KV, smem_thr_copy_KV);
     Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_dp);
-    gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, tiled_mma_sdp, smem_tiled_copy_QdO,
+    gemm_ss(acc_dp, tdPrdO, tdPrV, at_stage(tdPsdO, stage), tdPsV, tiled_mma_sdp, smem_tiled_copy_QdO,
             smem_thr_copy_QdO, smem_tiled_copy_KV, smem_thr_copy_KV);
 
     // P = exp2(S * scale_log2 - lse_log2), dS = P * (dP - delta); masked
@@ -306,21 +320,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     __syncthreads();  // P, dS visible
 
     // dV += P^T dO   (block_n x head_dim)
-    gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, tiled_mma_dkv, smem_tiled_copy_PdSt,
+    gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_stage(tdVsdOt, stage), tiled_mma_dkv, smem_tiled_copy_PdSt,
             smem_thr_copy_PdSt, smem_tiled_copy_QdOt, smem_thr_copy_QdOt);
-    __syncthreads();  // every warp is done with this dO tile
-    if (step + 1 < num_steps) {
-      load_do(step + 1);
-      cp_async_fence();
-    }
 
     // dK += dS^T Q   (block_n x head_dim)
-    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, tiled_mma_dkv, smem_tiled_copy_PdSt,
+    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, stage), tiled_mma_dkv, smem_tiled_copy_PdSt,
             smem_thr_copy_PdSt, smem_tiled_copy_QdOt, smem_thr_copy_QdOt);
-    __syncthreads();  // every warp is done with this Q tile
-    if (step + 1 < num_steps) {
-      load_q(step + 1);
-      cp_async_fence();
+    if constexpr (kQStages == 1) {
+      // One buffer: the next Q and dO load only once every warp is done with
+      // them, and stream in during the dQ product.
+      __syncthreads();
+      if (step + 1 < num_steps) {
+        load_q_do(step + 1, 0);
+        cp_async_fence();
+      }
     }
 
     // dQ_accum += dS K   (block_m x head_dim, float32 atomics; scaled in kernel 3)
@@ -329,11 +342,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq, smem_tiled_copy_dS,
             smem_thr_copy_dS, smem_tiled_copy_Kt, smem_thr_copy_Kt);
     float* dq_accum = params.dq_accum + row_offset * kHeadDim;
+    // Fragment elements 2i, 2i+1 are adjacent columns: one 8-byte atomic on sm90.
     CUTE_UNROLL
-    for (int i = 0; i < size(acc_dq); ++i) {
+    for (int i = 0; i < size(acc_dq); i += 2) {
       const int row = row0 + get<0>(tdQcdQ(i));
       if (row < params.seqlen_q) {
-        atomicAdd(dq_accum + int64_t{row} * kHeadDim + get<1>(tdQcdQ(i)), acc_dq(i));
+        float* dst = dq_accum + int64_t{row} * kHeadDim + get<1>(tdQcdQ(i));
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        atomicAdd(reinterpret_cast<float2*>(dst), make_float2(acc_dq(i), acc_dq(i + 1)));
+#else
+        atomicAdd(dst, acc_dq(i));
+        atomicAdd(dst + 1, acc_dq(i + 1));
+#endif
       }
     }
   }

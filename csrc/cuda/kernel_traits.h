@@ -93,6 +93,7 @@ struct BwdTraits
   static constexpr int kBlockN = bwd_tile(kHeadDim).block_n;
   static constexpr int kNWarps = bwd_tile(kHeadDim).num_warps;
   static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kQStages = bwd_tile(kHeadDim).q_stages;
   static_assert(kNWarps == 8 && kBlockM == 64, "the warp layouts below assume 8 warps, block_m 64");
 
   // S = Q K^T and dP = dO V^T: (block_m x block_n), warps 2 (M) x 4 (N).
@@ -130,7 +131,8 @@ struct BwdTraits
   using SmemCopyAtomPdS = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
 
   static constexpr int kSmemBytes =
-      (2 * size(SmemLayoutQ{}) + 2 * size(SmemLayoutKV{}) + 2 * size(SmemLayoutPdS{})) *
+      (2 * kQStages * size(SmemLayoutQ{}) + 2 * size(SmemLayoutKV{}) +
+       2 * size(SmemLayoutPdS{})) *
       int(sizeof(Element));
 };
 

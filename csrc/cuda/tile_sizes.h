@@ -43,29 +43,35 @@ constexpr FwdTile fwd_tile(int head_dim) {
 }
 
 struct BwdTile {
-  int block_m;    // query rows per inner-loop step
-  int block_n;    // key rows per CTA (dK, dV accumulated in registers)
-  int num_warps;  // 8: the three MMA shapes below need 8 warps to tile evenly
+  int block_m;     // query rows per inner-loop step
+  int block_n;     // key rows per CTA (dK, dV accumulated in registers)
+  int num_warps;   // 8: the three MMA shapes of kernel_traits.h tile evenly on 8
+  int q_stages;    // smem buffers for the Q and dO tiles: 2 = next step's tiles
+                   // load during this step (the CTA is alone on its SM, so
+                   // nothing else hides the load latency)
 };
 
-// smem = (2 * block_n + 2 * block_m) * head_dim * 2 + 2 * block_m * block_n * 2
-// bytes (K, V, Q, dO tiles, then P and dS as the half-precision operands of the
-// dV, dK and dQ products).
+// smem = (2 * block_n + 2 * q_stages * block_m) * head_dim * 2
+//        + 2 * block_m * block_n * 2 bytes
+// (K, V, Q and dO tiles, then P and dS as half-precision operands of the dV, dK
+// and dQ products).
 constexpr BwdTile bwd_tile(int head_dim) {
   switch (head_dim) {
-    // 128 keys per CTA halves the number of passes over Q and dO relative to
-    // 64; dK + dV accumulators are head_dim floats per thread (<= 128).
-    case 32: return {64, 128, 8};
-    case 64: return {64, 128, 8};
-    case 96: return {64, 128, 8};
-    case 128: return {64, 128, 8};
-    // Larger head dims: 128 keys would need > 128 dK/dV floats per thread and
-    // > 163 KB smem; 64 keys keeps both in budget (144 KB at head dim 256).
-    case 160: return {64, 64, 8};
-    case 192: return {64, 64, 8};
-    case 224: return {64, 64, 8};
-    case 256: return {64, 64, 8};
-    default: return {0, 0, 0};
+    // 128 keys per CTA halve the passes over Q and dO relative to 64; dK + dV
+    // accumulators are head_dim floats per thread (<= 128). Two Q/dO stages:
+    // 160 KB at head dim 128.
+    case 32: return {64, 128, 8, 2};
+    case 64: return {64, 128, 8, 2};
+    case 96: return {64, 128, 8, 2};
+    case 128: return {64, 128, 8, 2};
+    // Larger head dims: 128 keys would need > 128 dK/dV floats per thread; 64
+    // keys keep registers in budget. Two stages fit sm80's 163 KB up to head
+    // dim 192 (160 KB); 224 and 256 single-buffer Q/dO (128 / 144 KB).
+    case 160: return {64, 64, 8, 2};
+    case 192: return {64, 64, 8, 2};
+    case 224: return {64, 64, 8, 1};
+    case 256: return {64, 64, 8, 1};
+    default: return {0, 0, 0, 0};
   }
 }
 

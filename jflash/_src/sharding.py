@@ -17,18 +17,24 @@ Factors the kernels cannot split need replication, and Shardy gathers them
 before the call (correct, not free):
   sq, sk  the band mask is written in absolute positions, so a sequence shard
           would need its own offsets (sequence parallelism is ring attention);
-  d       contracted in q.k;
-  g       backward only: dk and dv sum over the g query heads of their kv head,
-          so a shard of g would hold a partial sum.
+  d       contracted in q.k.
+Query heads split finer than kv heads (a shard of g) work for MQA: its one kv
+head stays replicated, and in the backward each device's dk, dv, which sum over
+its own query heads only, are summed across devices (an all-reduce). Other
+splits of g (sub-axes, see _spec) gather heads.
 
-Two things custom_partitioning does not do itself:
+What custom_partitioning and ffi_call leave to this module:
   - batching: custom_partitioning_p has no vmap rule. Each partitioned call is
     wrapped in custom_vmap, whose rule moves the vmapped axis in front and calls
     the partitioned function again on the higher rank; the rules' leading "..."
     and the FFI handlers (which fold leading axes into batch) take any number of
     leading axes.
-  - programs with one device or only manual axes (shard_map, pmap) never reach
-    the partitioner: custom_partitioning lowers its body inline there.
+  - typing: under jax.set_mesh with Explicit axes and inside shard_map, the
+    results get the sharding and varying-axes types of their operands
+    (_with_auto_axes, _restore_varying_axes).
+Programs with one device or only manual axes (shard_map, pmap, jax.export for
+one device) never reach the partitioner: custom_partitioning lowers its body,
+the plain FFI call, inline there.
 """
 
 from __future__ import annotations
@@ -74,8 +80,7 @@ def _bwd_rule(static, mesh, value_types, result_types):
     h, sizes = _heads_factor(num_heads, num_heads_kv)
     q, kv, row = f"... b sq {h} d", "... b sk hk d", f"... b {h} sq"
     rule = f"{q}, {kv}, {kv}, {q}, {q}, {row}, {row} -> {q}, {kv}, {kv}"
-    replicated = ("sq", "sk", "d") + (("g",) if "g" in h else ())
-    return rule, dict(sizes, need_replication_factors=_in_rule_order(rule, replicated))
+    return rule, dict(sizes, need_replication_factors=_in_rule_order(rule, ("sq", "sk", "d")))
 
 
 def _spec(sharding, ndim, mesh):
@@ -96,12 +101,13 @@ def _spec(sharding, ndim, mesh):
     return spec + (None,) * (ndim - len(spec))
 
 
-def _local_shardings(mesh, arg_shapes, *, backward):
-    """(q-like, kv, row) shardings for the per-device call.
+def _local_shardings(mesh, arg_shapes):
+    """(q-like, kv, row) shardings for the per-device call, and the mesh axes
+    over which per-device dk, dv are partial sums.
 
     Only leading/batch and heads axes stay sharded, and heads only when every
-    device's query heads read exactly its own kv heads (kv heads sharded like
-    query heads); MQA with replicated kv heads qualifies in the forward pass.
+    device's query heads read exactly its own kv heads: kv heads sharded like
+    query heads, or MQA's single kv head replicated (then dk, dv are partial).
     Anything else replicates heads (or everything, when the shardings name no
     mesh axes), which is correct and gathers.
     """
@@ -113,19 +119,23 @@ def _local_shardings(mesh, arg_shapes, *, backward):
             from jax._src.sharding_impls import GSPMDSharding
 
             devices = q.sharding._device_assignment  # noqa: SLF001
-            return (GSPMDSharding.get_replicated(devices),) * 3
+            return (GSPMDSharding.get_replicated(devices),) * 3, ()
         q_spec = (None,) * len(q.shape)
     lead = q_spec[:-3]  # vmapped axes and batch
     heads = q_spec[-2]
     heads_kv = None if k_spec is None else k_spec[-2]
-    mqa_forward = not backward and k.shape[-2] == 1 and heads_kv is None
-    if heads != heads_kv and not mqa_forward:
+    mqa_split = k.shape[-2] == 1 and heads_kv is None and heads is not None
+    if heads != heads_kv and not mqa_split:
         heads = heads_kv = None
+    partial_axes = ()
+    if mqa_split:  # the spec entry of a dim is one axis name or a tuple of them
+        partial_axes = (heads,) if isinstance(heads, str) else tuple(heads)
 
     def named(*dims):
         return NamedSharding(mesh, PartitionSpec(*lead, *dims))
 
-    return named(None, heads, None), named(None, heads_kv, None), named(heads, None)
+    shardings = named(None, heads, None), named(None, heads_kv, None), named(heads, None)
+    return shardings, partial_axes
 
 
 def _partitioned(call, rule, local_shardings, result_specs):
@@ -140,8 +150,9 @@ def _partitioned(call, rule, local_shardings, result_specs):
 
     def partition(static, mesh, arg_shapes, result_shape):
         del result_shape
-        result_shardings, arg_shardings = local_shardings(mesh, arg_shapes)
-        return mesh, functools.partial(call, **dict(static)), result_shardings, arg_shardings
+        lower = functools.partial(call, **dict(static))
+        result_shardings, arg_shardings, lower = local_shardings(mesh, arg_shapes, lower)
+        return mesh, lower, result_shardings, arg_shardings
 
     partitioned.def_partition(partition=partition, sharding_rule=rule, decode_shardings=False)
 
@@ -210,14 +221,25 @@ def _restore_varying_axes(operands, results):
     return jax.tree.map(cast, results)
 
 
-def _fwd_shardings(mesh, arg_shapes):
-    q_like, kv, row = _local_shardings(mesh, arg_shapes, backward=False)
-    return (q_like, row), (q_like, kv, kv)
+def _fwd_shardings(mesh, arg_shapes, lower):
+    (q_like, kv, row), _ = _local_shardings(mesh, arg_shapes)
+    return (q_like, row), (q_like, kv, kv), lower
 
 
-def _bwd_shardings(mesh, arg_shapes):
-    q_like, kv, row = _local_shardings(mesh, arg_shapes, backward=True)
-    return (q_like, kv, kv), (q_like, kv, kv, q_like, q_like, row, row)
+def _bwd_shardings(mesh, arg_shapes, lower):
+    (q_like, kv, row), partial_axes = _local_shardings(mesh, arg_shapes)
+    if partial_axes:
+        unsummed = lower
+
+        def lower(*operands):
+            dq, dk, dv = unsummed(*operands)
+
+            def total(x):  # summed in float32, as the kernel accumulates
+                return jax.lax.psum(x.astype(jnp.float32), partial_axes).astype(x.dtype)
+
+            return dq, total(dk), total(dv)
+
+    return (q_like, kv, kv), (q_like, kv, kv, q_like, q_like, row, row), lower
 
 
 def _fwd_result_specs(specs):

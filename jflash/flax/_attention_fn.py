@@ -105,13 +105,28 @@ def attention_fn(
             **kwargs,
         )
 
-    # Flax promotes q, k, v to one dtype (dtype, or their common dtype) first.
-    dtype = dtype or jnp.result_type(query, key, value)
-    query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
-    # [batch..., length, heads, head_dim] -> [batch, length, heads, head_dim]
-    batch_shape = query.shape[:-3]
-    query, key, value = (
-        jnp.reshape(x, (math.prod(batch_shape), *x.shape[-3:])) for x in (query, key, value)
+    if dtype is not None:  # as Flax's promote_dtype does
+        query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+    return attend(
+        query, key, value, is_causal=bool(is_causal), local_window_size=None, implementation=None
     )
-    out = dot_product_attention(query, key, value, is_causal=bool(is_causal))
+
+
+def attend(query, key, value, *, is_causal, local_window_size, implementation):
+    """jflash.dot_product_attention on [batch..., length, heads, head_dim] arrays,
+    q/k/v promoted to their common dtype first as Flax does."""
+    dtype = jnp.result_type(query, key, value)
+    batch_shape = query.shape[:-3]  # folded into one batch axis
+    query, key, value = (
+        jnp.reshape(x.astype(dtype), (math.prod(batch_shape), *x.shape[-3:]))
+        for x in (query, key, value)
+    )
+    out = dot_product_attention(
+        query,
+        key,
+        value,
+        is_causal=is_causal,
+        local_window_size=local_window_size,
+        implementation=implementation,
+    )
     return jnp.reshape(out, (*batch_shape, *out.shape[1:]))

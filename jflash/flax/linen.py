@@ -3,33 +3,12 @@
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jflash._src.dot_product_attention import dot_product_attention
-
-
-def attend(query, key, value, *, is_causal, local_window_size, implementation):
-    """jflash.dot_product_attention on [batch..., length, heads, head_dim] arrays,
-    q/k/v promoted to one dtype first as Flax does."""
-    dtype = jnp.result_type(query, key, value)
-    batch_shape = query.shape[:-3]
-    query, key, value = (
-        jnp.reshape(x.astype(dtype), (math.prod(batch_shape), *x.shape[-3:]))
-        for x in (query, key, value)
-    )
-    out = dot_product_attention(
-        query,
-        key,
-        value,
-        is_causal=is_causal,
-        local_window_size=local_window_size,
-        implementation=implementation,
-    )
-    return jnp.reshape(out, (*batch_shape, *out.shape[1:]))
+from jflash.flax._attention_fn import attend
 
 
 class MultiHeadAttention(nn.Module):

@@ -7,7 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from jflash.flax.linen import attend
+from jflash.flax._attention_fn import attend
 
 
 class MultiHeadAttention(nnx.Module):

@@ -7,7 +7,7 @@ set -u
 : "${STEPS:=build tests sanitize bench}"
 : "${JFLASH_CUDA_SUBSET:=ci}"
 : "${BENCH_ARGS:=--head-dims 128 --seqs 16384}"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+[ -n "${NO_WHEEL_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/device.txt"
 for step in $STEPS; do
@@ -26,10 +26,15 @@ for step in $STEPS; do
       tail -25 "$OUT/test_suite.log" ;;
     sanitize)
       for tool in memcheck racecheck; do
-        timeout 150 compute-sanitizer --tool $tool --kernel-name kns=flash_ \
-          python3 -P csrc/cuda/tools/sanitizer_driver.py > "$OUT/sanitizer_$tool.log" 2>&1
-        echo "$tool rc=$?"; tail -4 "$OUT/sanitizer_$tool.log"
+        for attempt in 1 2; do  # the tool itself once crashed (rc 139) mid-run: retry once
+          timeout 150 compute-sanitizer --tool $tool --kernel-name kns=flash_ \
+            python3 -P csrc/cuda/tools/sanitizer_driver.py > "$OUT/sanitizer_$tool.log" 2>&1
+          rc=$?; echo "$tool attempt $attempt rc=$rc"; tail -4 "$OUT/sanitizer_$tool.log"
+          [ $rc -ne 139 ] && break
+        done
       done ;;
+    sweep)
+      bash csrc/cuda/tools/tile_sweep.sh ;;
     bench)
       timeout 240 python3 -P csrc/cuda/tools/quick_bench.py $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" ;;
   esac

@@ -60,9 +60,11 @@ def main():
     parser.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"])
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--impls", nargs="+", default=["jflash", "cudnn"])
     args = parser.parse_args()
     print(f"device: {jax.devices()[0].device_kind}")
-    print(f"{'mode':7} {'causal':6} {'hdim':>4} {'seq':>6} {'jflash ms':>10} {'TFLOP/s':>8} {'cudnn ms':>9} {'TFLOP/s':>8}")
+    header = "".join(f" {name + ' ms':>10} {'TFLOP/s':>8}" for name in args.impls)
+    print(f"{'mode':7} {'causal':6} {'hdim':>4} {'seq':>6}" + header)
     rng = np.random.default_rng(0)
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     for d in args.head_dims:
@@ -76,6 +78,7 @@ def main():
                     "cudnn": lambda q, k, v, c=causal: jax.nn.dot_product_attention(
                         q, k, v, is_causal=c, implementation="cudnn"),
                 }
+                impls = {name: impls[name] for name in args.impls}
                 for mode in args.modes:
                     f = flops * (3.5 if mode == "fwdbwd" else 1.0)
                     row = []
