@@ -16,7 +16,7 @@ v = jax.random.normal(key_v, (batch, seq_k, num_heads_kv, head_dim), jnp.bfloat1
 
 out, lse = jax.jit(lambda q, k, v: jflash.flash_attention(q, k, v, causal=True, return_lse=True))(q, k, v)
 ref = jflash.reference.attention(q, k, v, causal=True)
-print(f"backend {jax.default_backend()}: out {out.shape} {out.dtype}, lse {lse.shape} {lse.dtype}")
+print(f"backend {jax.default_backend()} (CUDA kernels built: {jflash.HAS_CUDA_KERNELS}): out {out.shape} {out.dtype}, lse {lse.shape} {lse.dtype}")
 print(f"max |jflash - reference| = {float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)))):.2e}")
 
 

@@ -61,8 +61,10 @@ add_library(jflash_cuda SHARED
   csrc/ffi/version.cc
   csrc/cuda/registry.cu
   ${_instantiations})
-target_include_directories(jflash_cuda PRIVATE csrc csrc/include "${JFLASH_XLA_INCLUDE_DIR}")
-target_include_directories(jflash_cuda SYSTEM PRIVATE "${JFLASH_CUTLASS_INCLUDE_DIR}")
+target_include_directories(jflash_cuda PRIVATE csrc csrc/include)
+# SYSTEM: their own warnings (XLA's missing returns, CuTe's) are not ours to fix.
+target_include_directories(jflash_cuda SYSTEM PRIVATE "${JFLASH_XLA_INCLUDE_DIR}"
+                                                      "${JFLASH_CUTLASS_INCLUDE_DIR}")
 target_compile_definitions(jflash_cuda PRIVATE
   JFLASH_BUILD_JAXLIB_VERSION="${JFLASH_BUILD_JAXLIB_VERSION}"
   JFLASH_CUDA_SUBSET="${_subset_define}")

@@ -146,8 +146,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor tdOsdO = gmem_thr_copy.partition_D(sdO);
   Tensor tKsK = gmem_thr_copy.partition_D(sK);
   Tensor tVsV = gmem_thr_copy.partition_D(sV);
-  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Tensor tQcQ =
+      gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVcKV =
+      gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
   // The same view of Q or dO smem, in stage `stage` (stage buffers are
   // size(sQ) elements apart, a multiple of the swizzle period).
@@ -226,10 +228,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto smem_tiled_copy_dS = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma_dq);
   auto smem_thr_copy_dS = smem_tiled_copy_dS.get_thread_slice(tidx);
   Tensor tdQsdS = smem_thr_copy_dS.partition_S(sdS);
-  auto smem_tiled_copy_Kt = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dq);
+  auto smem_tiled_copy_Kt =
+      make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dq);
   auto smem_thr_copy_Kt = smem_tiled_copy_Kt.get_thread_slice(tidx);
   Tensor tdQsKt = smem_thr_copy_Kt.partition_S(sKt);
-  Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tdQcdQ =
+      thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
 
   if (num_steps > 0) {
     auto k_tile = [&](const void* base, int64_t batch_stride, int64_t row_stride,
@@ -280,12 +284,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // S = Q K^T and dP = dO V^T   (block_m x block_n)
     Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
-    gemm_ss(acc_s, tSrQ, tSrK, at_stage(tSsQ, stage), tSsK, tiled_mma_sdp, smem_tiled_copy_QdO, smem_thr_copy_QdO,
-            smem_tiled_copy_KV, smem_thr_copy_KV);
+    gemm_ss(acc_s, tSrQ, tSrK, at_stage(tSsQ, stage), tSsK, tiled_mma_sdp, smem_tiled_copy_QdO,
+            smem_thr_copy_QdO, smem_tiled_copy_KV, smem_thr_copy_KV);
     Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_dp);
-    gemm_ss(acc_dp, tdPrdO, tdPrV, at_stage(tdPsdO, stage), tdPsV, tiled_mma_sdp, smem_tiled_copy_QdO,
-            smem_thr_copy_QdO, smem_tiled_copy_KV, smem_thr_copy_KV);
+    gemm_ss(acc_dp, tdPrdO, tdPrV, at_stage(tdPsdO, stage), tdPsV, tiled_mma_sdp,
+            smem_tiled_copy_QdO, smem_thr_copy_QdO, smem_tiled_copy_KV, smem_thr_copy_KV);
 
     // P = exp2(S * scale_log2 - lse_log2), dS = P * (dP - delta); masked
     // elements (outside the band or past the last key) get P = dS = 0.
@@ -320,12 +324,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     __syncthreads();  // P, dS visible
 
     // dV += P^T dO   (block_n x head_dim)
-    gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_stage(tdVsdOt, stage), tiled_mma_dkv, smem_tiled_copy_PdSt,
-            smem_thr_copy_PdSt, smem_tiled_copy_QdOt, smem_thr_copy_QdOt);
+    gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_stage(tdVsdOt, stage), tiled_mma_dkv,
+            smem_tiled_copy_PdSt, smem_thr_copy_PdSt, smem_tiled_copy_QdOt, smem_thr_copy_QdOt);
 
     // dK += dS^T Q   (block_n x head_dim)
-    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, stage), tiled_mma_dkv, smem_tiled_copy_PdSt,
-            smem_thr_copy_PdSt, smem_tiled_copy_QdOt, smem_thr_copy_QdOt);
+    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, stage), tiled_mma_dkv,
+            smem_tiled_copy_PdSt, smem_thr_copy_PdSt, smem_tiled_copy_QdOt, smem_thr_copy_QdOt);
     if constexpr (kQStages == 1) {
       // One buffer: the next Q and dO load only once every warp is done with
       // them, and stream in during the dQ product.
@@ -374,8 +378,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int key = key0 + get<0>(tdKVcdKV(i));
     if (key < params.seqlen_k) {
       const int col = get<1>(tdKVcdKV(i));
-      *reinterpret_cast<uint32_t*>(dk_ptr + key * params.dk_row_stride + col) = pack_pair(dk(i), dk(i + 1));
-      *reinterpret_cast<uint32_t*>(dv_ptr + key * params.dv_row_stride + col) = pack_pair(dv(i), dv(i + 1));
+      *reinterpret_cast<uint32_t*>(dk_ptr + key * params.dk_row_stride + col) =
+          pack_pair(dk(i), dk(i + 1));
+      *reinterpret_cast<uint32_t*>(dv_ptr + key * params.dv_row_stride + col) =
+          pack_pair(dv(i), dv(i + 1));
     }
   }
 }

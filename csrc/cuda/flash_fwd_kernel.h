@@ -52,9 +52,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int n_block_end = key_begin < key_end ? ceil_div(key_end, kBlockN) : n_block_begin;
 
   // Global tiles (block x head_dim). The row stride inside a tile is 32-bit
-  // (rows * stride of one tile fits easily); only the tile base is 64-bit, so
-  // the per-thread cp.async addresses cost one 64-bit base per tile, not one
-  // 64-bit register pair per copy (measured: this removed the spills, NOTES.md).
+  // (the handlers check that block rows * stride fits), so only the tile base
+  // needs 64-bit arithmetic, not each thread's cp.async addresses: fewer
+  // registers in a kernel that sits at the 255-register limit.
   const Element* q_ptr = static_cast<const Element*>(params.q) + batch * params.q_batch_stride +
                          head * params.q_head_stride;
   const Element* k_ptr = static_cast<const Element*>(params.k) + batch * params.k_batch_stride +
@@ -82,12 +82,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor tQsQ = gmem_thr_copy.partition_D(sQ);
   Tensor tKsK = gmem_thr_copy.partition_D(sK);
   Tensor tVsV = gmem_thr_copy.partition_D(sV);
-  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Tensor tQcQ =
+      gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVcKV =
+      gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   auto load_kv = [&](const Element* base, int64_t row_stride, int n_block, auto& dst) {
     const int key0 = n_block * kBlockN;
-    copy_rows(gmem_tiled_copy, gmem_thr_copy.partition_S(tile(base, row_stride, key0, Int<kBlockN>{})),
-              dst, tKVcKV, params.seqlen_k - key0);
+    copy_rows(gmem_tiled_copy,
+              gmem_thr_copy.partition_S(tile(base, row_stride, key0, Int<kBlockN>{})), dst,
+              tKVcKV, params.seqlen_k - key0);
   };
 
   // Shared -> register operands of the two products.
@@ -148,7 +151,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int i = 0; i < size(s); ++i) s(i) *= params.softmax_scale_log2;
     bool needs_mask = key0 + kBlockN > params.seqlen_k;
     if constexpr (kBanded) {
-      needs_mask = needs_mask || !params.mask.tile_all_visible(row_begin, row_end, key0, key0 + kBlockN);
+      needs_mask = needs_mask ||
+                   !params.mask.tile_all_visible(row_begin, row_end, key0, key0 + kBlockN);
     }
     if (needs_mask) {
       CUTE_UNROLL
@@ -169,6 +173,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
 
     // Online softmax (rows live in one quad of lanes).
+    float correction[kRows];
+    bool max_changed = false;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float m = row_max[r];
@@ -178,7 +184,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // A row with no visible key yet keeps m = -inf; subtract 0 instead so
       // that exp2(-inf - -inf) never makes a NaN.
       const float m_safe = m == -INFINITY ? 0.f : m;
-      const float correction = fast_exp2(row_max[r] - m_safe);
+      correction[r] = m == row_max[r] ? 1.f : fast_exp2(row_max[r] - m_safe);
+      max_changed |= m != row_max[r];
       row_max[r] = m;
       float sum = 0.f;
       CUTE_UNROLL
@@ -186,9 +193,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         s(r, c) = fast_exp2(s(r, c) - m_safe);
         sum += s(r, c);
       }
-      row_sum[r] = row_sum[r] * correction + sum;
+      row_sum[r] = row_sum[r] * correction[r] + sum;
+    }
+    // O *= correction costs head_dim multiplies per row; skip it when no row of
+    // the warp raised its max (exact: the correction is then 1). Past the first
+    // few key tiles of a long row, most tiles raise no max.
+    if (__any_sync(0xffffffff, max_changed)) {
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= correction;
+      for (int r = 0; r < kRows; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= correction[r];
+      }
     }
 
     // O += P V   (P converted in registers to the A-operand layout)

@@ -13,13 +13,19 @@ from __future__ import annotations
 import pathlib
 
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)  # jflash/_src/kernel_calls.py KERNEL_HEAD_DIMS
-DTYPES = {"fp16": ("cutlass::half_t", "kFloat16"), "bf16": ("cutlass::bfloat16_t", "kBFloat16")}
+DTYPES = {
+    "fp16": ("cutlass::half_t", "kFloat16"),
+    "bf16": ("cutlass::bfloat16_t", "kBFloat16"),
+}
 # "full": the band removes nothing (only the sequence-end residual is masked);
 # "band": any other band, causal included (per-tile masking decisions).
 MASKS = {"full": "false", "band": "true"}
+# direction: (header, traits, launcher, registration function, registry entry)
 DIRECTIONS = {
-    "fwd": ("cuda/flash_fwd_kernel.h", "FwdTraits", "run_flash_fwd", "register_fwd_kernel", "FwdKernel"),
-    "bwd": ("cuda/flash_bwd_kernel.h", "BwdTraits", "run_flash_bwd", "register_bwd_kernel", "BwdKernel"),
+    "fwd": ("cuda/flash_fwd_kernel.h", "FwdTraits", "run_flash_fwd", "register_fwd_kernel",
+            "FwdKernel"),
+    "bwd": ("cuda/flash_bwd_kernel.h", "BwdTraits", "run_flash_bwd", "register_bwd_kernel",
+            "BwdKernel"),
 }
 
 TEMPLATE = """\
@@ -28,9 +34,10 @@ TEMPLATE = """\
 
 namespace jflash::cuda {{
 namespace {{
+using Element = {element};
 [[maybe_unused]] const bool kRegistered = {register}(
-    DType::{dtype_enum}, {head_dim}, {banded},
-    {kernel}{{&{launcher}<{element}, {head_dim}, {banded}>, {traits}<{element}, {head_dim}>::kSmemBytes}});
+    DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},
+    {kernel}{{&{launcher}<Element, {head_dim}, {banded}>, {traits}<Element, {head_dim}>::kSmemBytes}});
 }}  // namespace
 }}  // namespace jflash::cuda
 """

@@ -71,8 +71,10 @@ struct FwdTraits
   using TiledMma = TiledMMA<MmaAtom16816<Element>, Layout<Shape<Int<kNWarps>, _1, _1>>,
                             Tile<Int<16 * kNWarps>, _16, _16>>;
 
-  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutQ =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   // V^T (head_dim x block_n) as the B operand of P V, read with transposed ldmatrix.
   using SmemLayoutVt = decltype(composition(
       SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
@@ -102,12 +104,19 @@ struct BwdTraits
   // dK += dS^T Q and dV += P^T dO: (block_n x head_dim), warps 4 (N) x 2 (D).
   using TiledMmadKV = TiledMMA<MmaAtom16816<Element>, Layout<Shape<_4, _2, _1>>,
                                Tile<Int<16 * 4>, Int<16 * 2>, _16>>;
-  // dQ = dS K: (block_m x head_dim), warps 4 (M) x 2 (D).
-  using TiledMmadQ = TiledMMA<MmaAtom16816<Element>, Layout<Shape<_4, _2, _1>>,
-                              Tile<Int<16 * 4>, Int<16 * 2>, _16>>;
+  // dQ = dS K: (block_m x head_dim). Warps 2 (M) x 4 (D) give each warp a
+  // 32 x 32 tile (256 B of smem per MMA, against 320 for 16 x 64) but need
+  // head_dim % 64 == 0; other head dims use 4 (M) x 2 (D).
+  static constexpr int kdQWarpsM = kHeadDim % 64 == 0 ? 2 : 4;
+  static constexpr int kdQWarpsN = kNWarps / kdQWarpsM;
+  using TiledMmadQ =
+      TiledMMA<MmaAtom16816<Element>, Layout<Shape<Int<kdQWarpsM>, Int<kdQWarpsN>, _1>>,
+               Tile<Int<16 * kdQWarpsM>, Int<16 * kdQWarpsN>, _16>>;
 
-  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutQ =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   // Q^T and dO^T (head_dim x block_m): B operands of dK and dV.
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{}, GenRowMajor{})));

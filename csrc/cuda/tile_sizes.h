@@ -5,8 +5,9 @@
 // change of one line here, with its reason and measurement beside it
 // (csrc/cuda/NOTES.md holds the measurements).
 //
-// Budgets that bound every entry (sm80 and sm90; sm86/sm89 have only 99 KB of
-// shared memory per block and are refused with an error by the launchers):
+// Budgets that bound every entry (sm80 and sm90; sm86/sm89 allow only 99 KB of
+// shared memory per block, and the handlers refuse, with an ffi::Error, the
+// entries below that need more: forward head dim >= 224, backward >= 96):
 //   registers: 255 per thread. The forward keeps an output accumulator of
 //     block_m * head_dim / threads floats per thread; the backward keeps dK and
 //     dV accumulators of 2 * block_n * head_dim / threads floats.
@@ -24,16 +25,21 @@ struct FwdTile {
 // smem = (block_m + 2 * block_n) * head_dim * 2 bytes (Q, one K and one V tile).
 constexpr FwdTile fwd_tile(int head_dim) {
   switch (head_dim) {
-    // Small head dims: wide key tiles amortize the softmax over more MMAs;
-    // output accumulator is only 32 / 64 floats per thread.
+    // Head dim 32: wide key tiles amortize the softmax over more MMAs; the
+    // output accumulator is only 32 floats per thread.
     case 32: return {128, 128, 4};
-    case 64: return {128, 128, 4};
-    // 128 rows x 4 warps = 32 rows per warp, so the score tile (64 floats) and
-    // the output tile (96 / 128 floats) fit in registers without spills.
+    // Head dim 64: 64-key tiles measured 292 TFLOP/s against 283 for 128-key
+    // tiles (H200, seq 16k; NOTES.md).
+    case 64: return {128, 64, 4};
+    // 128 rows x 4 warps = 32 rows per warp: each K/V fragment read from smem
+    // feeds two MMAs (halves smem traffic vs 16 rows per warp); score tile 64
+    // floats, output tile 96 / 128 floats per thread. Measured at head dim 128
+    // (H200, seq 16k): 128x64x4 337, 128x32x4 320, 128x128x8 290, 64x64x4 276.
     case 96: return {128, 64, 4};
     case 128: return {128, 64, 4};
     // From 160 on, 4 warps would need > 160 accumulator floats per thread: use
-    // 8 warps (16 rows each) and a 64-key tile; smem 96..128 KB.
+    // 8 warps (16 rows each) and a 64-key tile; smem 96..128 KB. Measured at
+    // head dim 256: 128x64x8 314, 64x64x4 308.
     case 160: return {128, 64, 8};
     case 192: return {128, 64, 8};
     case 224: return {128, 64, 8};

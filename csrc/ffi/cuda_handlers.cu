@@ -53,18 +53,27 @@ const char* DTypeName(DType dtype) { return dtype == DType::kFloat16 ? "float16"
 // Checks what the CUDA kernels support beyond FillFwdParams' ABI checks and
 // returns the launch context of the current device.
 ffi::ErrorOr<cuda::LaunchContext> Prepare(const FwdParams& params, cudaStream_t stream,
-                                          int smem_bytes, bool found, const char* direction) {
+                                          bool banded, int smem_bytes, bool found,
+                                          const char* direction) {
   if (params.dtype == DType::kFloat32) {
     return ffi::Error::InvalidArgument(
         "jflash: the CUDA kernels take float16 or bfloat16; float32 inputs are cast to bfloat16 "
         "by jflash before the call (jflash/_src/kernel_calls.py)");
   }
   if (params.head_dim % 32 != 0) {
-    return ffi::Error::InvalidArgument("jflash: the CUDA kernels need head_dim in 32, 64, ..., 256 (got " +
-                                       std::to_string(params.head_dim) +
-                                       "); jflash pads head_dim before the call");
+    return ffi::Error::InvalidArgument(
+        "jflash: the CUDA kernels need head_dim in 32, 64, ..., 256 (got " +
+        std::to_string(params.head_dim) + "); jflash pads head_dim before the call");
   }
-  const bool banded = !params.mask.is_full(params.seqlen_q, params.seqlen_k);
+  // The forward kernel addresses rows inside a tile with 32-bit offsets.
+  constexpr int64_t kMaxTileOffset = int64_t{1} << 31;
+  for (int64_t row_stride : {params.q_row_stride, params.k_row_stride, params.v_row_stride}) {
+    if (row_stride * 256 >= kMaxTileOffset) {
+      return ffi::Error::InvalidArgument(
+          "jflash: num_heads * head_dim is too large for the CUDA kernels (row stride " +
+          std::to_string(row_stride) + " elements)");
+    }
+  }
   if (!found) {
     return ffi::Error::InvalidArgument(
         std::string("jflash: this build has no CUDA ") + direction + " kernel for " +
@@ -108,7 +117,8 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   if (params.dtype != DType::kFloat32 && params.head_dim % 32 == 0) {
     kernel = cuda::fwd_kernel_slot(params.dtype, params.head_dim, banded);
   }
-  auto ctx = Prepare(params, stream, kernel.smem_bytes, kernel.launch != nullptr, "forward");
+  auto ctx =
+      Prepare(params, stream, banded, kernel.smem_bytes, kernel.launch != nullptr, "forward");
   if (ctx.has_error()) return ctx.error();
   if (cudaError_t err = kernel.launch(params, *ctx); err != cudaSuccess) {
     return CudaError(err, "forward launch");
@@ -135,7 +145,8 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   if (params.dtype != DType::kFloat32 && params.head_dim % 32 == 0) {
     kernel = cuda::bwd_kernel_slot(params.dtype, params.head_dim, banded);
   }
-  auto ctx = Prepare(params, stream, kernel.smem_bytes, kernel.launch != nullptr, "backward");
+  auto ctx =
+      Prepare(params, stream, banded, kernel.smem_bytes, kernel.launch != nullptr, "backward");
   if (ctx.has_error()) return ctx.error();
   if (cudaError_t err = kernel.launch(params, *ctx); err != cudaSuccess) {
     return CudaError(err, "backward launch");

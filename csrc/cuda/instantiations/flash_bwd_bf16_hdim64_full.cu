@@ -3,8 +3,9 @@
 
 namespace jflash::cuda {
 namespace {
+using Element = cutlass::bfloat16_t;
 [[maybe_unused]] const bool kRegistered = register_bwd_kernel(
-    DType::kBFloat16, 64, false,
-    BwdKernel{&run_flash_bwd<cutlass::bfloat16_t, 64, false>, BwdTraits<cutlass::bfloat16_t, 64>::kSmemBytes});
+    DType::kBFloat16, 64, /*banded=*/false,
+    BwdKernel{&run_flash_bwd<Element, 64, false>, BwdTraits<Element, 64>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -3,8 +3,9 @@
 
 namespace jflash::cuda {
 namespace {
+using Element = cutlass::half_t;
 [[maybe_unused]] const bool kRegistered = register_bwd_kernel(
-    DType::kFloat16, 128, false,
-    BwdKernel{&run_flash_bwd<cutlass::half_t, 128, false>, BwdTraits<cutlass::half_t, 128>::kSmemBytes});
+    DType::kFloat16, 128, /*banded=*/false,
+    BwdKernel{&run_flash_bwd<Element, 128, false>, BwdTraits<Element, 128>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -3,8 +3,9 @@
 
 namespace jflash::cuda {
 namespace {
+using Element = cutlass::half_t;
 [[maybe_unused]] const bool kRegistered = register_bwd_kernel(
-    DType::kFloat16, 192, false,
-    BwdKernel{&run_flash_bwd<cutlass::half_t, 192, false>, BwdTraits<cutlass::half_t, 192>::kSmemBytes});
+    DType::kFloat16, 192, /*banded=*/false,
+    BwdKernel{&run_flash_bwd<Element, 192, false>, BwdTraits<Element, 192>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -3,8 +3,9 @@
 
 namespace jflash::cuda {
 namespace {
+using Element = cutlass::half_t;
 [[maybe_unused]] const bool kRegistered = register_bwd_kernel(
-    DType::kFloat16, 32, true,
-    BwdKernel{&run_flash_bwd<cutlass::half_t, 32, true>, BwdTraits<cutlass::half_t, 32>::kSmemBytes});
+    DType::kFloat16, 32, /*banded=*/true,
+    BwdKernel{&run_flash_bwd<Element, 32, true>, BwdTraits<Element, 32>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -3,8 +3,9 @@
 
 namespace jflash::cuda {
 namespace {
+using Element = cutlass::half_t;
 [[maybe_unused]] const bool kRegistered = register_bwd_kernel(
-    DType::kFloat16, 64, true,
-    BwdKernel{&run_flash_bwd<cutlass::half_t, 64, true>, BwdTraits<cutlass::half_t, 64>::kSmemBytes});
+    DType::kFloat16, 64, /*banded=*/true,
+    BwdKernel{&run_flash_bwd<Element, 64, true>, BwdTraits<Element, 64>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

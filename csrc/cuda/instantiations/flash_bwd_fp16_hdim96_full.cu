@@ -3,8 +3,9 @@
 
 namespace jflash::cuda {
 namespace {
+using Element = cutlass::half_t;
 [[maybe_unused]] const bool kRegistered = register_bwd_kernel(
-    DType::kFloat16, 96, false,
-    BwdKernel{&run_flash_bwd<cutlass::half_t, 96, false>, BwdTraits<cutlass::half_t, 96>::kSmemBytes});
+    DType::kFloat16, 96, /*banded=*/false,
+    BwdKernel{&run_flash_bwd<Element, 96, false>, BwdTraits<Element, 96>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -3,8 +3,9 @@
 
 namespace jflash::cuda {
 namespace {
+using Element = cutlass::bfloat16_t;
 [[maybe_unused]] const bool kRegistered = register_fwd_kernel(
-    DType::kBFloat16, 32, false,
-    FwdKernel{&run_flash_fwd<cutlass::bfloat16_t, 32, false>, FwdTraits<cutlass::bfloat16_t, 32>::kSmemBytes});
+    DType::kBFloat16, 32, /*banded=*/false,
+    FwdKernel{&run_flash_fwd<Element, 32, false>, FwdTraits<Element, 32>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -3,8 +3,9 @@
 
 namespace jflash::cuda {
 namespace {
+using Element = cutlass::half_t;
 [[maybe_unused]] const bool kRegistered = register_fwd_kernel(
-    DType::kFloat16, 160, false,
-    FwdKernel{&run_flash_fwd<cutlass::half_t, 160, false>, FwdTraits<cutlass::half_t, 160>::kSmemBytes});
+    DType::kFloat16, 160, /*banded=*/false,
+    FwdKernel{&run_flash_fwd<Element, 160, false>, FwdTraits<Element, 160>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

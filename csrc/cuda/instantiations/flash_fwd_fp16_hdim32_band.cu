@@ -3,8 +3,9 @@
 
 namespace jflash::cuda {
 namespace {
+using Element = cutlass::half_t;
 [[maybe_unused]] const bool kRegistered = register_fwd_kernel(
-    DType::kFloat16, 32, true,
-    FwdKernel{&run_flash_fwd<cutlass::half_t, 32, true>, FwdTraits<cutlass::half_t, 32>::kSmemBytes});
+    DType::kFloat16, 32, /*banded=*/true,
+    FwdKernel{&run_flash_fwd<Element, 32, true>, FwdTraits<Element, 32>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -3,8 +3,9 @@
 
 namespace jflash::cuda {
 namespace {
+using Element = cutlass::half_t;
 [[maybe_unused]] const bool kRegistered = register_fwd_kernel(
-    DType::kFloat16, 64, false,
-    FwdKernel{&run_flash_fwd<cutlass::half_t, 64, false>, FwdTraits<cutlass::half_t, 64>::kSmemBytes});
+    DType::kFloat16, 64, /*banded=*/false,
+    FwdKernel{&run_flash_fwd<Element, 64, false>, FwdTraits<Element, 64>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda
