@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 COLORS = {"jflash": "tab:red", "cudnn": "tab:blue", "xla": "tab:gray"}
 STYLES = {"fwd": "-", "fwdbwd": "--"}
+MARKERS = {"fwd": "o", "fwdbwd": "s"}
 MODE_LABEL = {"fwd": "fwd", "fwdbwd": "fwd+bwd"}
 
 
@@ -58,7 +59,7 @@ def plot(path, out=None):
             for (impl, mode), points in sorted(panels.get((head_dim, causal), {}).items()):
                 points.sort()
                 ax.plot([p[0] for p in points], [p[1] for p in points], STYLES.get(mode, ":"),
-                        marker="o", markersize=3, color=COLORS.get(impl),
+                        marker=MARKERS.get(mode, "o"), markersize=3, color=COLORS.get(impl),
                         label=f"{impl} {MODE_LABEL.get(mode, mode)}")
             ax.set_xscale("log", base=2)
             ax.set_xticks(all_seqs)
