@@ -302,12 +302,14 @@ def _reference_attention(q, k, v, causal):
     top-left and jflash's bottom-right causal masks coincide.
     """
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
+    highest = jax.lax.Precision.HIGHEST  # not TF32 on GPU: this is the reference
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=highest)
+    scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))
     if causal:
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         visible = jnp.arange(seqlen_k)[None, :] <= jnp.arange(seqlen_q)[:, None]
         scores = jnp.where(visible, scores, -jnp.inf)
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v, precision=highest)
 
 
 def relative_errors(attention, q, k, v, cotangent, *, causal, mode, num_heads=1):
@@ -319,7 +321,7 @@ def relative_errors(attention, q, k, v, cotangent, *, causal, mode, num_heads=1)
     sl = lambda x: x[:1, :, :num_heads, :]
     q, k, v, cotangent = map(sl, (q, k, v, cotangent))
 
-    def run(fn, dtype):
+    def run(fn, dtype, q, k, v, cotangent):
         args = [x.astype(dtype) for x in (q, k, v)]
         if mode == "fwd":
             return {"out": fn(*args)}
@@ -327,8 +329,11 @@ def relative_errors(attention, q, k, v, cotangent, *, causal, mode, num_heads=1)
         dq, dk, dv = vjp(cotangent.astype(out.dtype))
         return {"out": out, "dq": dq, "dk": dk, "dv": dv}
 
-    got = jax.jit(lambda: run(attention, q.dtype))()
-    ref = jax.jit(lambda: run(lambda *a: _reference_attention(*a, causal), jnp.float32))()
+    # Inputs go in as arguments: closed-over arrays would become constants that
+    # XLA folds at compile time (seconds at seq 4096).
+    got = jax.jit(lambda *a: run(attention, q.dtype, *a))(q, k, v, cotangent)
+    reference = lambda *a: _reference_attention(*a, causal)
+    ref = jax.jit(lambda *a: run(reference, jnp.float32, *a))(q, k, v, cotangent)
     errors = {}
     for name, r in ref.items():
         g = got[name].astype(jnp.float32)

@@ -8,8 +8,9 @@ Peer: jax.nn.dot_product_attention(implementation="xla"), which builds the
   temp MB  XLA's static buffer assignment of one compiled call
            (compiled.memory_analysis().temp_size_in_bytes): the S x S scratch.
   RSS MB   peak resident set of a fresh subprocess that runs one call
-           (resource.getrusage ru_maxrss), and how far the run itself rose above
-           the process's RSS just before it (run +MB).
+           (/proc/self/status VmHWM; getrusage's ru_maxrss is inherited from the
+           parent through fork + exec on Linux), and how far the run itself rose
+           above the process's RSS just before it (run +MB).
 Ratio columns are jflash / XLA: time < 1 means jflash is faster, memory < 1 smaller.
 """
 
@@ -45,16 +46,26 @@ def attention_fn(impl, causal):
     raise ValueError(f"unknown impl {impl!r}")
 
 
-def _rss_mb_now():
+def _status_mb(field):
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024  # kB
     return None
 
 
+def _rss_mb_now():
+    return _status_mb("VmRSS")
+
+
 def _maxrss_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    # VmHWM, the peak RSS of this process image. getrusage's ru_maxrss would do on
+    # its own, but Linux carries it over from the parent through fork + exec, so a
+    # child of a benchmark that already ran XLA at seq 4096 would report that peak.
+    peak = _status_mb("VmHWM")
+    if peak is None:  # not Linux: ru_maxrss (KiB on Linux, bytes on macOS)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak
 
 
 def child_rss(args):
