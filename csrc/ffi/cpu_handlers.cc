@@ -4,6 +4,7 @@
 // same order under the same target names, so one jax.ffi.ffi_call lowers for
 // either platform.
 #include "cpu/flash_cpu.h"
+#include "ffi/bindings.h"
 #include "ffi/params_from_ffi.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -50,30 +51,7 @@ extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JflashFwdCpu(XL
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JflashBwdCpu(XLA_FFI_CallFrame*);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JflashFwdCpu, jflash::FwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<int64_t>("diag_lo")
-                                  .Attr<int64_t>("diag_hi"));
+                              jflash::ffi_glue::BindFwd(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JflashBwdCpu, jflash::BwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // out
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // dlse
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Ret<ffi::AnyBuffer>()  // dq_accum (scratch)
-                                  .Ret<ffi::AnyBuffer>()  // delta (scratch)
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<int64_t>("diag_lo")
-                                  .Attr<int64_t>("diag_hi"));
+                              jflash::ffi_glue::BindBwd(ffi::Ffi::Bind()));

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "cuda/launch.h"
+#include "ffi/bindings.h"
 #include "ffi/params_from_ffi.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -163,34 +164,9 @@ extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JflashFwdCuda(X
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JflashBwdCuda(XLA_FFI_CallFrame*);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JflashFwdCuda, jflash::FwdCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<int64_t>("diag_lo")
-                                  .Attr<int64_t>("diag_hi"),
+                              jflash::ffi_glue::BindFwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JflashBwdCuda, jflash::BwdCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // out
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // dlse
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Ret<ffi::AnyBuffer>()  // dq_accum (scratch)
-                                  .Ret<ffi::AnyBuffer>()  // delta (scratch)
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<int64_t>("diag_lo")
-                                  .Attr<int64_t>("diag_hi"),
+                              jflash::ffi_glue::BindBwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
