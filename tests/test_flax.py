@@ -21,7 +21,11 @@ from flax import nnx  # noqa: E402
 
 import jflash.flax  # noqa: E402
 
-TOL = dict(rtol=2e-5, atol=2e-5)
+# float32 layers: tight on CPU. On GPU jflash computes float32 at bfloat16
+# precision (README) and Flax's float32 matmuls use TF32, so there the check is
+# of the wiring (same parameters, same math) at bfloat16 resolution; the kernels'
+# error rule itself is enforced in test_flash_attention.py.
+TOL = dict(rtol=3e-2, atol=3e-2) if jax.default_backend() == "gpu" else dict(rtol=2e-5, atol=2e-5)
 
 
 def _assert_trees_close(got, want, **tol):
