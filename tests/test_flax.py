@@ -21,21 +21,28 @@ from flax import nnx  # noqa: E402
 
 import jflash.flax  # noqa: E402
 
-# float32 layers: tight on CPU. On GPU jflash computes float32 at bfloat16
-# precision (README) and Flax's float32 matmuls use TF32, so there the check is
-# of the wiring (same parameters, same math) at bfloat16 resolution; the kernels'
-# error rule itself is enforced in test_flash_attention.py.
-TOL = dict(rtol=3e-2, atol=3e-2) if jax.default_backend() == "gpu" else dict(rtol=2e-5, atol=2e-5)
+# float32 layers: elementwise within 2e-5 on CPU. On GPU jflash computes
+# float32 at bfloat16 precision (README) and Flax's float32 matmuls use TF32, so
+# there the check is of the wiring (same parameters, same math) at bfloat16
+# resolution: each leaf's relative error ||got - want|| / ||want|| under 2e-2
+# (bfloat16 lands between 1e-3 and 1e-2). Elementwise bounds would trip on the
+# rounding of single large gradient sums. The kernels' error rule itself is
+# enforced in test_flash_attention.py.
+TOL = dict(rtol=2e-5, atol=2e-5)
+GPU_RELATIVE_TOL = 2e-2
+
+
+def _assert_leaf_close(got, want, tol):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if jax.default_backend() == "gpu" and not tol:
+        relative = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+        assert relative < GPU_RELATIVE_TOL, f"relative error {relative:.3g}"
+    else:
+        np.testing.assert_allclose(got, want, **(tol or TOL))
 
 
 def _assert_trees_close(got, want, **tol):
-    jax.tree.map(
-        lambda g, w: np.testing.assert_allclose(
-            np.asarray(g, np.float64), np.asarray(w, np.float64), **(tol or TOL)
-        ),
-        got,
-        want,
-    )
+    jax.tree.map(lambda g, w: _assert_leaf_close(g, w, tol), got, want)
 
 
 def _linen_value_and_grads(module, params, x, dout, **call_kw):
