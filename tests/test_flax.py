@@ -24,25 +24,36 @@ import jflash.flax  # noqa: E402
 # float32 layers: elementwise within 2e-5 on CPU. On GPU jflash computes
 # float32 at bfloat16 precision (README) and Flax's float32 matmuls use TF32, so
 # there the check is of the wiring (same parameters, same math) at bfloat16
-# resolution: each leaf's relative error ||got - want|| / ||want|| under 2e-2
-# (bfloat16 lands between 1e-3 and 1e-2). Elementwise bounds would trip on the
-# rounding of single large gradient sums. The kernels' error rule itself is
+# resolution: each leaf's RMS error under 2e-2 of its own RMS, or of the whole
+# tree's where the leaf's true value is ~0 (the key bias gradient is exactly 0:
+# a constant added to every logit of a row leaves the softmax unchanged, so
+# only rounding noise remains there). The kernels' error rule itself is
 # enforced in test_flash_attention.py.
 TOL = dict(rtol=2e-5, atol=2e-5)
 GPU_RELATIVE_TOL = 2e-2
 
 
-def _assert_leaf_close(got, want, tol):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    if jax.default_backend() == "gpu" and not tol:
-        relative = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-        assert relative < GPU_RELATIVE_TOL, f"relative error {relative:.3g}"
-    else:
-        np.testing.assert_allclose(got, want, **(tol or TOL))
+def _rms(x):
+    return float(np.sqrt(np.mean(np.square(np.asarray(x, np.float64))))) if np.size(x) else 0.0
 
 
 def _assert_trees_close(got, want, **tol):
-    jax.tree.map(lambda g, w: _assert_leaf_close(g, w, tol), got, want)
+    if jax.default_backend() != "gpu" or tol:
+        jax.tree.map(
+            lambda g, w: np.testing.assert_allclose(
+                np.asarray(g, np.float64), np.asarray(w, np.float64), **(tol or TOL)
+            ),
+            got,
+            want,
+        )
+        return
+    want_leaves = jax.tree.leaves(want)
+    tree_rms = _rms(np.concatenate([np.ravel(np.asarray(w, np.float64)) for w in want_leaves]))
+    for path_and_g, w in zip(jax.tree_util.tree_leaves_with_path(got), want_leaves):
+        path, g = path_and_g
+        error = _rms(np.asarray(g, np.float64) - np.asarray(w, np.float64))
+        bound = GPU_RELATIVE_TOL * max(_rms(w), tree_rms)
+        assert error <= bound, f"{jax.tree_util.keystr(path)}: rms error {error:.3g} > {bound:.3g}"
 
 
 def _linen_value_and_grads(module, params, x, dout, **call_kw):
