@@ -20,11 +20,21 @@ from jax.sharding import PartitionSpec as P
 import jflash
 from jflash._src.sharding import AVOIDED_COLLECTIVES
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+# The 8 host CPU devices of tests/conftest.py, also on a GPU machine (one GPU
+# cannot host these meshes): partitioning is platform independent, and the
+# unsharded comparisons run on the same CPU devices (autouse fixture below).
+_HOST_CPUS = jax.devices("cpu")[:8]
+pytestmark = pytest.mark.skipif(len(_HOST_CPUS) < 8, reason="needs 8 host CPU devices")
+
+
+@pytest.fixture(autouse=True)
+def _on_host_cpus():
+    with jax.default_device(_HOST_CPUS[0]):
+        yield
 
 
 def _mesh(axis_type=AxisType.Auto):
-    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2, devices=_HOST_CPUS)
 
 
 def _qkv(rng, batch=4, seq=32, heads=8, heads_kv=8, head_dim=32, dtype=jnp.float32):
@@ -200,7 +210,7 @@ def test_shard_map_data_parallel_grads(rng, check_vma):
     check_vma, grads of the pmean'd loss are global (jax psums the cotangents of
     replicated params); without it, the classic form: local grads, then pmean."""
     params, x, y = _model_inputs(rng)
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=_HOST_CPUS)
 
     @jax.jit
     @jax.shard_map(
@@ -227,7 +237,7 @@ def test_shard_map_data_parallel_grads(rng, check_vma):
 
 def test_pmap_data_parallel_grads(rng):
     params, x, y = _model_inputs(rng)
-    n = jax.device_count()
+    n = len(_HOST_CPUS)
 
     def step(params, x, y):
         loss, grads = jax.value_and_grad(_model_loss)(params, x, y)
@@ -237,7 +247,7 @@ def test_pmap_data_parallel_grads(rng):
         return a.reshape(n, a.shape[0] // n, *a.shape[1:])
 
     replicated = jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), params)
-    loss, grads = jax.pmap(step, axis_name="i")(replicated, split(x), split(y))
+    loss, grads = jax.pmap(step, axis_name="i", devices=_HOST_CPUS)(replicated, split(x), split(y))
     want_loss, want_grads = jax.value_and_grad(_model_loss)(params, x, y)
     np.testing.assert_allclose(loss[0], want_loss, rtol=1e-5)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g[0], w, rtol=1e-4, atol=1e-6), grads,
