@@ -52,16 +52,7 @@ template <class T>
 JFLASH_INLINE void fwd_block(const FwdParams& params, int64_t task) {
   constexpr int block_q = T::kFwdBlockQ;
   constexpr int block_k = T::kFwdBlockK;
-  const int num_q_blocks = (params.seqlen_q + block_q - 1) / block_q;
-  // Last query blocks first: under a causal mask they see the most keys, and
-  // handing out the longest tasks first keeps the dynamic schedule balanced.
-  const int q_block = num_q_blocks - 1 - static_cast<int>(task % num_q_blocks);
-  const int64_t head = (task / num_q_blocks) % params.num_heads;
-  const int64_t batch = task / num_q_blocks / params.num_heads;
-  const int64_t kv_head = head / params.heads_per_kv;
-
-  const int64_t q0 = int64_t{q_block} * block_q;
-  const int q_rows = static_cast<int>(std::min<int64_t>(block_q, params.seqlen_q - q0));
+  const auto [batch, head, kv_head, q0, q_rows] = query_block_task(params, task, block_q);
   const int q_pad = round_up(q_rows, T::kAlign);
   const int head_dim = params.head_dim;
   const int d_pad = padded_head_dim<T>(head_dim);

@@ -16,6 +16,7 @@
 // ops down the key axis, with no horizontal reductions.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -136,6 +137,29 @@ constexpr int padded_head_dim(int head_dim) {
 constexpr int round_up(int x, int multiple) { return (x + multiple - 1) / multiple * multiple; }
 
 // ---- Vector helpers -------------------------------------------------------------
+
+// One (batch, head, query block) work item of the forward and dQ passes.
+// Within a (batch, head), the last query block comes first: under a causal mask
+// it sees the most keys, and handing out the longest tasks first keeps the
+// dynamic schedule balanced.
+struct QueryBlockTask {
+  int64_t batch, head, kv_head;
+  int64_t q0;  // first query row
+  int q_rows;  // rows in this block (the last block may be partial)
+};
+
+JFLASH_INLINE QueryBlockTask query_block_task(const FwdParams& params, int64_t task,
+                                              int block_q) {
+  const int num_q_blocks = (params.seqlen_q + block_q - 1) / block_q;
+  const int q_block = num_q_blocks - 1 - static_cast<int>(task % num_q_blocks);
+  QueryBlockTask t;
+  t.head = task / num_q_blocks % params.num_heads;
+  t.batch = task / num_q_blocks / params.num_heads;
+  t.kv_head = t.head / params.heads_per_kv;
+  t.q0 = int64_t{q_block} * block_q;
+  t.q_rows = static_cast<int>(std::min<int64_t>(block_q, params.seqlen_q - t.q0));
+  return t;
+}
 
 template <class V>
 JFLASH_INLINE V load_vec(const float* p) {
