@@ -34,12 +34,7 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 template <class T>
 JFLASH_INLINE void delta_block(const BwdParams& params, int64_t task) {
   using V = typename T::Vec;
-  constexpr int block_q = T::kBwdBlockQ;
-  const int num_q_blocks = (params.seqlen_q + block_q - 1) / block_q;
-  const int64_t q0 = task % num_q_blocks * block_q;
-  const int64_t head = task / num_q_blocks % params.num_heads;
-  const int64_t batch = task / num_q_blocks / params.num_heads;
-  const int q_rows = static_cast<int>(std::min<int64_t>(block_q, params.seqlen_q - q0));
+  const auto [batch, head, kv_head, q0, q_rows] = query_block_task(params, task, T::kBwdBlockQ);
   const int q_pad = round_up(q_rows, T::kAlign);
   const int head_dim = params.head_dim;
 
