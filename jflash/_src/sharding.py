@@ -65,22 +65,24 @@ def _in_rule_order(rule, factors):
     return tuple(sorted(factors, key=order.index))
 
 
-def _fwd_rule(static, mesh, value_types, result_types):
-    del static, mesh, result_types
+def _rule(value_types, operands, results):
+    """Shardy rule over q-like, kv-like and row (lse-like) tensors, e.g. operands
+    ("q", "kv", "kv"); only batch and heads may stay sharded."""
     num_heads, num_heads_kv = value_types[0].shape[-2], value_types[1].shape[-2]
     h, sizes = _heads_factor(num_heads, num_heads_kv)
-    q, kv, row = f"... b sq {h} d", "... b sk hk d", f"... b {h} sq"
-    rule = f"{q}, {kv}, {kv} -> {q}, {row}"
+    spelled = {"q": f"... b sq {h} d", "kv": "... b sk hk d", "row": f"... b {h} sq"}
+    rule = ", ".join(spelled[x] for x in operands) + " -> " + ", ".join(spelled[x] for x in results)
     return rule, dict(sizes, need_replication_factors=_in_rule_order(rule, ("sq", "sk", "d")))
+
+
+def _fwd_rule(static, mesh, value_types, result_types):
+    del static, mesh, result_types
+    return _rule(value_types, ("q", "kv", "kv"), ("q", "row"))
 
 
 def _bwd_rule(static, mesh, value_types, result_types):
     del static, mesh, result_types
-    num_heads, num_heads_kv = value_types[0].shape[-2], value_types[1].shape[-2]
-    h, sizes = _heads_factor(num_heads, num_heads_kv)
-    q, kv, row = f"... b sq {h} d", "... b sk hk d", f"... b {h} sq"
-    rule = f"{q}, {kv}, {kv}, {q}, {q}, {row}, {row} -> {q}, {kv}, {kv}"
-    return rule, dict(sizes, need_replication_factors=_in_rule_order(rule, ("sq", "sk", "d")))
+    return _rule(value_types, ("q", "kv", "kv", "q", "q", "row", "row"), ("q", "kv", "kv"))
 
 
 def _spec(sharding, ndim, mesh):
