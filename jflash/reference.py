@@ -12,8 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jflash._src import validation
-from jflash._src.flash_attention import causal_band, clamp_band
+from jflash._src.flash_attention import clamp_band, resolve_arguments
 
 
 def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, dtype=jnp.float32):
@@ -51,11 +50,9 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, dtype=
 
 def attention(query, key, value, *, causal=False, softmax_scale=None, return_lse=False):
     """Same signature and semantics as jflash.flash_attention, in plain jnp."""
-    q_shape, k_shape, _ = validation.check_qkv(query, key, value)
-    causal = validation.check_bool("causal", causal)
-    return_lse = validation.check_bool("return_lse", return_lse)
-    softmax_scale = validation.check_softmax_scale(softmax_scale, q_shape[3])
-    diag_lo, diag_hi = causal_band(q_shape[1], k_shape[1], causal)
+    softmax_scale, diag_lo, diag_hi, return_lse = resolve_arguments(
+        query, key, value, causal, softmax_scale, return_lse
+    )
     out, lse = attention_band(
         query, key, value, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi
     )

@@ -96,6 +96,19 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi):
     return out, lse
 
 
+def resolve_arguments(query, key, value, causal, softmax_scale, return_lse):
+    """Validates flash_attention's arguments; (softmax_scale, diag_lo, diag_hi, return_lse).
+
+    Shared with jflash.reference.attention so that both read arguments alike.
+    """
+    q_shape, k_shape, _ = validation.check_qkv(query, key, value)
+    causal = validation.check_bool("causal", causal)
+    return_lse = validation.check_bool("return_lse", return_lse)
+    softmax_scale = validation.check_softmax_scale(softmax_scale, q_shape[3])
+    diag_lo, diag_hi = causal_band(q_shape[1], k_shape[1], causal)
+    return softmax_scale, diag_lo, diag_hi, return_lse
+
+
 def flash_attention(query, key, value, *, causal=False, softmax_scale=None, return_lse=False):
     """Exact attention, computed tile by tile without a seq_q x seq_k buffer.
 
@@ -115,11 +128,9 @@ def flash_attention(query, key, value, *, causal=False, softmax_scale=None, retu
     Returns:
       out with the shape and dtype of query, or (out, lse).
     """
-    q_shape, k_shape, _ = validation.check_qkv(query, key, value)
-    causal = validation.check_bool("causal", causal)
-    return_lse = validation.check_bool("return_lse", return_lse)
-    softmax_scale = validation.check_softmax_scale(softmax_scale, q_shape[3])
-    diag_lo, diag_hi = causal_band(q_shape[1], k_shape[1], causal)
+    softmax_scale, diag_lo, diag_hi, return_lse = resolve_arguments(
+        query, key, value, causal, softmax_scale, return_lse
+    )
     out, lse = attention_band(
         query, key, value, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi
     )
