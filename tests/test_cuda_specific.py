@@ -6,9 +6,18 @@ the tile sizes of csrc/cuda/tile_sizes.h (block_m 64/128, block_n 64/128),
 bands whose edges cut tiles, GQA groups summed inside the backward kernel,
 fully masked rows next to visible ones in one tile, and the error a build
 without an instantiation must give.
+
+On a Hopper GPU the forward runs the TMA/wgmma kernel (csrc/cuda/sm90/) for the
+head dims it covers; the sm80 forward is checked there too, in a subprocess
+with JFLASH_CUDA_FORWARD=sm80 (the choice is read once per process).
 """
 
 from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +27,7 @@ import pytest
 import jflash
 from checks import assert_within_rule
 from jflash._src.flash_attention import attention_band
+from jflash._src.ffi import cuda_forward_family
 from jflash.reference import attention_band as reference_band
 
 pytestmark = pytest.mark.skipif(
@@ -46,6 +56,14 @@ CASES = [
     (1, 100, 70, 2, 1, 160, -50, 5),
     (1, 70, 100, 2, 2, 192, None, None),
     (2, 90, 90, 2, 2, 224, -90, 0),  # single-buffered Q/dO backward
+    # Hopper forward tiles (block_m 128; block_n 128, or 64 at head dim 256;
+    # a 2-deep K/V ring): many ring turns, one key past a tile, a query block
+    # whose second consumer warpgroup holds only masked or absent rows.
+    (1, 200, 2049, 2, 1, 128, None, None),
+    (1, 383, 513, 4, 2, 128, -200, 100),  # sliding window cutting tiles on both sides
+    (2, 511, 1537, 4, 1, 64, -511, 1537 - 511),  # bottom-right causal, MQA
+    (1, 250, 700, 2, 2, 256, -300, 100),
+    (1, 70, 130, 2, 2, 128, -70, -60),  # rows 0..59 see nothing; rows 64.. of the tile absent
 ]
 
 
@@ -115,3 +133,61 @@ def test_repeatable(rng):
     for _ in range(3):
         again = fn(q, k)
         assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(first, again))
+
+
+def _is_hopper():
+    return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+
+
+@pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
+def test_hopper_forward_is_selected():
+    """On Hopper the forward runs the sm90 kernel wherever it was built."""
+    # The ci subset builds it for bfloat16 head dim 128; "all" for 64/128/256.
+    for banded in (False, True):
+        assert cuda_forward_family(jnp.bfloat16, 128, banded) == 90
+    for dtype in DTYPES:
+        for d in (64, 128, 256):
+            assert cuda_forward_family(dtype, d, False) in (90, 0)
+        for d in (32, 96, 160):  # head dims the Hopper kernel leaves to sm80
+            assert cuda_forward_family(dtype, d, False) in (80, 0)
+
+
+_SM80_ON_HOPPER = r"""
+import sys
+sys.path.insert(0, {tests_dir!r})
+import jax, jax.numpy as jnp, numpy as np
+from checks import assert_within_rule
+from jflash._src.ffi import cuda_forward_family
+from jflash._src.flash_attention import attention_band
+from jflash.reference import attention_band as reference_band
+
+assert cuda_forward_family(jnp.bfloat16, 128, False) == 80
+rng = np.random.default_rng(11)
+for (sq, sk, h, hkv, d, lo, hi) in ((129, 1000, 4, 2, 128, None, None),
+                                    (300, 300, 2, 1, 128, -70, -5),
+                                    (77, 130, 4, 1, 256, -30, 30)):
+    lo, hi = (-sq, sk) if lo is None else (lo, hi)
+    kw = dict(softmax_scale=d ** -0.5, diag_lo=lo, diag_hi=hi)
+    q = jnp.asarray(rng.standard_normal((1, sq, h, d)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((1, sk, hkv, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((1, sk, hkv, d)), jnp.bfloat16)
+    got = attention_band(q, k, v, **kw)
+    truth = [np.asarray(t, np.float64) for t in reference_band(q, k, v, **kw)]
+    plain = reference_band(q, k, v, dtype=jnp.bfloat16, **kw)
+    for name, x, p, t in zip(("out", "lse"), got, plain, truth):
+        assert_within_rule(name, x, p, t, jnp.bfloat16)
+print("sm80 forward on Hopper: ok")
+"""
+
+
+@pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
+def test_sm80_forward_on_hopper():
+    """JFLASH_CUDA_FORWARD=sm80 runs (and checks) the sm80 forward on Hopper."""
+    tests_dir = str(pathlib.Path(__file__).resolve().parent)
+    env = dict(os.environ, JFLASH_CUDA_FORWARD="sm80")
+    result = subprocess.run(
+        [sys.executable, "-P", "-c", _SM80_ON_HOPPER.format(tests_dir=tests_dir)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "ok" in result.stdout

@@ -4,8 +4,10 @@
 # JFLASH_CUDA_ARCHS   semicolon list of GPU targets, SASS embedded for each:
 #                     "80" (sm80; also runs on sm86/sm89) and "90a" (Hopper).
 # JFLASH_CUDA_SUBSET  which kernel instantiations (csrc/cuda/instantiations/) to compile:
-#                     all  every (direction, dtype, head dim, mask): 64 files;
-#                     ci   bfloat16, head dim 128, both masks, both directions: 4 files;
+#                     all  every (direction, dtype, head dim, mask): 64 files, plus
+#                          12 of the Hopper forward when 90a is a target;
+#                     ci   bfloat16, head dim 128, both masks, both directions: 4 files,
+#                          plus the 2 Hopper forward files;
 #                     otherwise a comma (or semicolon) list of name fragments, and an
 #                     instantiation is compiled when its file name contains one
 #                     (e.g. "bf16_hdim64,fp16_hdim128_full").
@@ -56,7 +58,18 @@ foreach(_file IN LISTS _all_instantiations)
     endif()
   endforeach()
 endforeach()
-list(LENGTH _instantiations _count)
+# The Hopper forward (flash_fwd_sm90_*) exists only as sm_90a code: compiled in
+# its own object library for 90a alone, and left out when 90a is not a target
+# (the handlers then run the sm80 forward on Hopper too).
+set(_sm90_instantiations "${_instantiations}")
+list(FILTER _sm90_instantiations INCLUDE REGEX "flash_fwd_sm90_")
+list(FILTER _instantiations EXCLUDE REGEX "flash_fwd_sm90_")
+if(NOT "90a" IN_LIST JFLASH_CUDA_ARCHS)
+  set(_sm90_instantiations "")
+endif()
+list(LENGTH _instantiations _count_sm80)
+list(LENGTH _sm90_instantiations _count_sm90)
+math(EXPR _count "${_count_sm80} + ${_count_sm90}")
 if(_count EQUAL 0)
   message(FATAL_ERROR "jflash: JFLASH_CUDA_SUBSET='${JFLASH_CUDA_SUBSET}' selects no kernel instantiation")
 endif()
@@ -67,13 +80,27 @@ add_library(jflash_cuda SHARED
   csrc/ffi/version.cc
   csrc/cuda/registry.cu
   ${_instantiations})
-target_include_directories(jflash_cuda PRIVATE csrc csrc/include)
-# SYSTEM: their own warnings (XLA's missing returns, CuTe's) are not ours to fix.
-target_include_directories(jflash_cuda SYSTEM PRIVATE "${JFLASH_XLA_INCLUDE_DIR}"
-                                                      "${JFLASH_CUTLASS_INCLUDE_DIR}")
-target_compile_definitions(jflash_cuda PRIVATE
-  JFLASH_BUILD_JAXLIB_VERSION="${JFLASH_BUILD_JAXLIB_VERSION}"
-  JFLASH_CUDA_SUBSET="${_subset_define}")
+set(_cuda_targets jflash_cuda)
+if(_sm90_instantiations)
+  add_library(jflash_cuda_sm90 OBJECT ${_sm90_instantiations})
+  target_sources(jflash_cuda PRIVATE $<TARGET_OBJECTS:jflash_cuda_sm90>)
+  list(APPEND _cuda_targets jflash_cuda_sm90)
+endif()
+foreach(_target IN LISTS _cuda_targets)
+  target_include_directories(${_target} PRIVATE csrc csrc/include)
+  # SYSTEM: their own warnings (XLA's missing returns, CuTe's) are not ours to fix.
+  target_include_directories(${_target} SYSTEM PRIVATE "${JFLASH_XLA_INCLUDE_DIR}"
+                                                       "${JFLASH_CUTLASS_INCLUDE_DIR}")
+  target_compile_definitions(${_target} PRIVATE
+    JFLASH_BUILD_JAXLIB_VERSION="${JFLASH_BUILD_JAXLIB_VERSION}"
+    JFLASH_CUDA_SUBSET="${_subset_define}")
+  set_target_properties(${_target} PROPERTIES
+    CUDA_ARCHITECTURES OFF
+    CUDA_STANDARD 17
+    CUDA_STANDARD_REQUIRED ON
+    POSITION_INDEPENDENT_CODE ON
+    CUDA_VISIBILITY_PRESET hidden)
+endforeach()
 
 # Explicit -gencode flags (not CUDA_ARCHITECTURES) so that 90a is spelled the
 # way nvcc 13.0 accepts for sm_90a-only instructions (device/HOPPER.md).
@@ -88,15 +115,15 @@ if("80" IN_LIST JFLASH_CUDA_ARCHS)
 endif()
 set_target_properties(jflash_cuda PROPERTIES
   PREFIX "lib"
-  CUDA_ARCHITECTURES OFF
-  CUDA_STANDARD 17
-  CUDA_STANDARD_REQUIRED ON
   # Static cudart: the library loads (and its handlers register) on machines
   # with no GPU driver, e.g. CI; the runtime finds the driver lazily at first use.
-  CUDA_RUNTIME_LIBRARY Static
-  CUDA_VISIBILITY_PRESET hidden)
+  CUDA_RUNTIME_LIBRARY Static)
 target_compile_options(jflash_cuda PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:${_gencode} -O3 --expt-relaxed-constexpr -lineinfo>
   $<$<COMPILE_LANGUAGE:CXX>:-O3 -Wall -Wextra>)
+if(_sm90_instantiations)
+  target_compile_options(jflash_cuda_sm90 PRIVATE
+    -gencode=arch=compute_90a,code=sm_90a -O3 --expt-relaxed-constexpr -lineinfo)
+endif()
 target_link_libraries(jflash_cuda PRIVATE CUDA::cudart_static)
 install(TARGETS jflash_cuda LIBRARY DESTINATION ${JFLASH_INSTALL_DIR})

@@ -20,12 +20,31 @@ DTYPES = {
 # "full": the band removes nothing (only the sequence-end residual is masked);
 # "band": any other band, causal included (per-tile masking decisions).
 MASKS = {"full": "false", "band": "true"}
-# direction: (header, traits, launcher, registration function, registry entry)
+# direction: (header, registration expression, head dims)
 DIRECTIONS = {
-    "fwd": ("cuda/flash_fwd_kernel.h", "FwdTraits", "run_flash_fwd", "register_fwd_kernel",
-            "FwdKernel"),
-    "bwd": ("cuda/flash_bwd_kernel.h", "BwdTraits", "run_flash_bwd", "register_bwd_kernel",
-            "BwdKernel"),
+    "fwd": (
+        "cuda/flash_fwd_kernel.h",
+        "register_fwd_kernel(DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},\n"
+        "    FwdKernel{{&run_flash_fwd<Element, {head_dim}, {banded}>,\n"
+        "              FwdTraits<Element, {head_dim}>::kSmemBytes}})",
+        HEAD_DIMS,
+    ),
+    "bwd": (
+        "cuda/flash_bwd_kernel.h",
+        "register_bwd_kernel(DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},\n"
+        "    BwdKernel{{&run_flash_bwd<Element, {head_dim}, {banded}>,\n"
+        "              BwdTraits<Element, {head_dim}>::kSmemBytes}})",
+        HEAD_DIMS,
+    ),
+    # The Hopper forward (sm90a only; cuda.cmake compiles these files for 90a
+    # alone). Other head dims run the sm80 forward on Hopper too.
+    "fwd_sm90": (
+        "cuda/sm90/flash_fwd_kernel.h",
+        "register_sm90_fwd_kernel(DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},\n"
+        "    FwdKernel{{&sm90::run_flash_fwd_sm90<Element, {head_dim}, {banded}>,\n"
+        "              sm90::FwdTraits<Element, {head_dim}>::kSmemBytes, &tma_compatible}})",
+        (64, 128, 256),
+    ),
 }
 
 TEMPLATE = """\
@@ -35,9 +54,7 @@ TEMPLATE = """\
 namespace jflash::cuda {{
 namespace {{
 using Element = {element};
-[[maybe_unused]] const bool kRegistered = {register}(
-    DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},
-    {kernel}{{&{launcher}<Element, {head_dim}, {banded}>, {traits}<Element, {head_dim}>::kSmemBytes}});
+[[maybe_unused]] const bool kRegistered = {registration};
 }}  // namespace
 }}  // namespace jflash::cuda
 """
@@ -51,22 +68,17 @@ def main() -> None:
     out_dir = pathlib.Path(__file__).resolve().parent / "instantiations"
     out_dir.mkdir(exist_ok=True)
     wanted = set()
-    for direction, (header, traits, launcher, register, kernel) in DIRECTIONS.items():
+    for direction, (header, registration, head_dims) in DIRECTIONS.items():
         for dtype, (element, dtype_enum) in DTYPES.items():
-            for head_dim in HEAD_DIMS:
+            for head_dim in head_dims:
                 for mask, banded in MASKS.items():
                     name = instantiation_name(direction, dtype, head_dim, mask) + ".cu"
                     wanted.add(name)
                     text = TEMPLATE.format(
                         header=header,
-                        register=register,
-                        dtype_enum=dtype_enum,
-                        head_dim=head_dim,
-                        banded=banded,
-                        kernel=kernel,
-                        launcher=launcher,
                         element=element,
-                        traits=traits,
+                        registration=registration.format(
+                            dtype_enum=dtype_enum, head_dim=head_dim, banded=banded),
                     )
                     path = out_dir / name
                     if not path.exists() or path.read_text() != text:

@@ -9,6 +9,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "jflash/params.h"
 
 namespace jflash::cuda {
@@ -26,6 +28,9 @@ using BwdLauncher = cudaError_t (*)(const BwdParams&, const LaunchContext&);
 struct FwdKernel {
   FwdLauncher launch = nullptr;
   int smem_bytes = 0;  // dynamic shared memory of the main kernel
+  // Whether this kernel takes a given call (nullptr: every call). The handler
+  // runs the sm80 kernel for calls that the Hopper kernel refuses.
+  bool (*accepts)(const FwdParams&) = nullptr;
 };
 struct BwdKernel {
   BwdLauncher launch = nullptr;
@@ -36,6 +41,26 @@ struct BwdKernel {
 // entries for instantiations that were not compiled.
 FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, bool banded);
 BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, bool banded);
+
+// The Hopper forward (csrc/cuda/sm90/), chosen on compute capability 9.0.
+FwdKernel& sm90_fwd_kernel_slot(DType dtype, int head_dim, bool banded);
+
+// TMA reads tensors whose base addresses and strides are 16-byte multiples
+// and whose extents are non-zero.
+inline bool tma_compatible(const FwdParams& p) {
+  const int64_t bytes = p.dtype == DType::kFloat32 ? 4 : 2;
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  auto stride_ok = [bytes](int64_t stride) { return (stride * bytes) % 16 == 0; };
+  return p.seqlen_q > 0 && p.seqlen_k > 0 && aligned(p.q) && aligned(p.k) && aligned(p.v) &&
+         stride_ok(p.q_row_stride) && stride_ok(p.q_head_stride) && stride_ok(p.q_batch_stride) &&
+         stride_ok(p.k_row_stride) && stride_ok(p.k_head_stride) && stride_ok(p.k_batch_stride) &&
+         stride_ok(p.v_row_stride) && stride_ok(p.v_head_stride) && stride_ok(p.v_batch_stride);
+}
+
+inline bool register_sm90_fwd_kernel(DType dtype, int head_dim, bool banded, FwdKernel kernel) {
+  sm90_fwd_kernel_slot(dtype, head_dim, banded) = kernel;
+  return true;
+}
 
 inline bool register_fwd_kernel(DType dtype, int head_dim, bool banded, FwdKernel kernel) {
   fwd_kernel_slot(dtype, head_dim, banded) = kernel;

@@ -20,6 +20,11 @@ FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, bool banded) {
   return table[slot_index(dtype, head_dim, banded)];
 }
 
+FwdKernel& sm90_fwd_kernel_slot(DType dtype, int head_dim, bool banded) {
+  static FwdKernel table[2 * kNumHeadDims * 2];
+  return table[slot_index(dtype, head_dim, banded)];
+}
+
 BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, bool banded) {
   static BwdKernel table[2 * kNumHeadDims * 2];
   return table[slot_index(dtype, head_dim, banded)];

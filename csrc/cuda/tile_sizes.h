@@ -81,4 +81,26 @@ constexpr BwdTile bwd_tile(int head_dim) {
   }
 }
 
+// Hopper forward (csrc/cuda/sm90/): TMA + wgmma, one producer warpgroup and
+// block_m / 64 consumer warpgroups (64 query rows each), K and V tiles in a
+// ring of `stages` shared-memory buffers. Head dims without an entry run the
+// sm80 kernel on Hopper too.
+struct Sm90FwdTile {
+  int block_m;  // query rows per CTA: 64 per consumer warpgroup
+  int block_n;  // key rows per step (the N of S = Q K^T, the K of O += P V)
+  int stages;   // K/V ring depth
+};
+
+// smem = (block_m + 2 * stages * block_n) * head_dim * 2 bytes (<= 227 KB).
+// registers per consumer thread: block_n / 2 score floats + head_dim / 2
+// output floats + block_n / 4 words of P, under the 240 of setmaxnreg.
+constexpr Sm90FwdTile sm90_fwd_tile(int head_dim) {
+  switch (head_dim) {
+    case 64: return {128, 128, 2};   // 80 KB
+    case 128: return {128, 128, 2};  // 160 KB
+    case 256: return {128, 64, 2};   // 192 KB; 128 output floats per thread
+    default: return {0, 0, 0};
+  }
+}
+
 }  // namespace jflash::cuda

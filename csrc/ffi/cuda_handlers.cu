@@ -7,6 +7,7 @@
 // they may be captured into CUDA graphs (kCmdBufferCompatible).
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -26,6 +27,7 @@ struct DeviceInfo {
   cudaError_t error = cudaSuccess;
   int sm_count = 0;
   int max_smem_per_block = 0;  // opt-in limit for dynamic shared memory
+  bool is_sm90 = false;        // compute capability 9.0: the Hopper forward applies
 };
 
 constexpr int kMaxDevices = 64;
@@ -40,8 +42,49 @@ const DeviceInfo& device_info(int device) {
       info.error = cudaDeviceGetAttribute(&info.max_smem_per_block,
                                           cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     }
+    int major = 0, minor = 0;
+    if (info.error == cudaSuccess) {
+      info.error = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    }
+    if (info.error == cudaSuccess) {
+      info.error = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    }
+    info.is_sm90 = major == 9 && minor == 0;
   });
   return infos[device];
+}
+
+// JFLASH_CUDA_FORWARD picks the forward kernel family: "auto" (default: the
+// Hopper kernel on compute capability 9.0 where it covers the call, the sm80
+// kernel elsewhere) or "sm80" (the sm80 kernel everywhere; for comparisons).
+// Read once per process, so every call of a program sees the same choice.
+enum class ForwardChoice { kAuto, kSm80, kInvalid };
+ForwardChoice forward_choice() {
+  static const ForwardChoice choice = [] {
+    const char* env = std::getenv("JFLASH_CUDA_FORWARD");
+    if (env == nullptr || std::string(env).empty() || std::string(env) == "auto") {
+      return ForwardChoice::kAuto;
+    }
+    return std::string(env) == "sm80" ? ForwardChoice::kSm80 : ForwardChoice::kInvalid;
+  }();
+  return choice;
+}
+
+ffi::ErrorOr<const DeviceInfo*> current_device_info() {
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      std::string("jflash: cudaGetDevice: ") + cudaGetErrorString(err));
+  }
+  if (device < 0 || device >= kMaxDevices) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, "jflash: device ordinal out of range");
+  }
+  const DeviceInfo& info = device_info(device);
+  if (info.error != cudaSuccess) {
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jflash: cudaDeviceGetAttribute: ") +
+                                                     cudaGetErrorString(info.error));
+  }
+  return &info;
 }
 
 ffi::Error CudaError(cudaError_t err, const char* what) {
@@ -51,11 +94,28 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
 
 const char* DTypeName(DType dtype) { return dtype == DType::kFloat16 ? "float16" : "bfloat16"; }
 
+// The forward kernel for a call: on compute capability 9.0 the Hopper kernel
+// where it was built for this (dtype, head dim, mask) and takes the call
+// (params == nullptr: assume it does), else the sm80 kernel, which computes
+// the same result everywhere. launch == nullptr when neither was built.
+cuda::FwdKernel SelectForward(const DeviceInfo& info, ForwardChoice choice, DType dtype,
+                              int head_dim, bool banded, const FwdParams* params) {
+  if (dtype == DType::kFloat32 || head_dim % 32 != 0 || head_dim < 32 || head_dim > 256) {
+    return {};
+  }
+  const cuda::FwdKernel& hopper = cuda::sm90_fwd_kernel_slot(dtype, head_dim, banded);
+  if (info.is_sm90 && choice == ForwardChoice::kAuto && hopper.launch != nullptr &&
+      (params == nullptr || hopper.accepts == nullptr || hopper.accepts(*params))) {
+    return hopper;
+  }
+  return cuda::fwd_kernel_slot(dtype, head_dim, banded);
+}
+
 // Checks what the CUDA kernels support beyond FillFwdParams' ABI checks and
 // returns the launch context of the current device.
 ffi::ErrorOr<cuda::LaunchContext> Prepare(const FwdParams& params, cudaStream_t stream,
-                                          bool banded, int smem_bytes, bool found,
-                                          const char* direction) {
+                                          const DeviceInfo& info, bool banded, int smem_bytes,
+                                          bool found, const char* direction) {
   if (params.dtype == DType::kFloat32) {
     return ffi::Error::InvalidArgument(
         "jflash: the CUDA kernels take float16 or bfloat16; float32 inputs are cast to bfloat16 "
@@ -82,15 +142,6 @@ ffi::ErrorOr<cuda::LaunchContext> Prepare(const FwdParams& params, cudaStream_t 
         (banded ? "banded" : "unmasked") + " attention: it was built with JFLASH_CUDA_SUBSET=" +
         JFLASH_CUDA_SUBSET + "; rebuild with JFLASH_CUDA_SUBSET=all");
   }
-  int device = 0;
-  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) {
-    return CudaError(err, "cudaGetDevice");
-  }
-  if (device < 0 || device >= kMaxDevices) {
-    return ffi::Error(ffi::ErrorCode::kUnimplemented, "jflash: device ordinal out of range");
-  }
-  const DeviceInfo& info = device_info(device);
-  if (info.error != cudaSuccess) return CudaError(info.error, "cudaDeviceGetAttribute");
   if (smem_bytes > info.max_smem_per_block) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       std::string("jflash: the CUDA ") + direction + " kernel for head_dim " +
@@ -113,13 +164,19 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   if (params.batch == 0 || params.seqlen_q == 0 || params.num_heads == 0) {
     return ffi::Error::Success();
   }
-  cuda::FwdKernel kernel;
-  const bool banded = !params.mask.is_full(params.seqlen_q, params.seqlen_k);
-  if (params.dtype != DType::kFloat32 && params.head_dim % 32 == 0) {
-    kernel = cuda::fwd_kernel_slot(params.dtype, params.head_dim, banded);
+  auto info = current_device_info();
+  if (info.has_error()) return info.error();
+  const ForwardChoice choice = forward_choice();
+  if (choice == ForwardChoice::kInvalid) {
+    return ffi::Error::InvalidArgument(
+        "jflash: JFLASH_CUDA_FORWARD must be 'auto' or 'sm80' (got '" +
+        std::string(std::getenv("JFLASH_CUDA_FORWARD")) + "')");
   }
-  auto ctx =
-      Prepare(params, stream, banded, kernel.smem_bytes, kernel.launch != nullptr, "forward");
+  const bool banded = !params.mask.is_full(params.seqlen_q, params.seqlen_k);
+  const cuda::FwdKernel kernel =
+      SelectForward(**info, choice, params.dtype, params.head_dim, banded, &params);
+  auto ctx = Prepare(params, stream, **info, banded, kernel.smem_bytes, kernel.launch != nullptr,
+                     "forward");
   if (ctx.has_error()) return ctx.error();
   if (cudaError_t err = kernel.launch(params, *ctx); err != cudaSuccess) {
     return CudaError(err, "forward launch");
@@ -141,13 +198,15 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   }
   if (params.batch == 0 || params.num_heads == 0) return ffi::Error::Success();
   // seqlen_q == 0 still launches: dK and dV must be written (as zeros).
+  auto info = current_device_info();
+  if (info.has_error()) return info.error();
   cuda::BwdKernel kernel;
   const bool banded = !params.mask.is_full(params.seqlen_q, params.seqlen_k);
   if (params.dtype != DType::kFloat32 && params.head_dim % 32 == 0) {
     kernel = cuda::bwd_kernel_slot(params.dtype, params.head_dim, banded);
   }
-  auto ctx =
-      Prepare(params, stream, banded, kernel.smem_bytes, kernel.launch != nullptr, "backward");
+  auto ctx = Prepare(params, stream, **info, banded, kernel.smem_bytes, kernel.launch != nullptr,
+                     "backward");
   if (ctx.has_error()) return ctx.error();
   if (cudaError_t err = kernel.launch(params, *ctx); err != cudaSuccess) {
     return CudaError(err, "backward launch");
@@ -157,6 +216,26 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 
 }  // namespace
 }  // namespace jflash
+
+// Which forward kernel family a call would run on the current device, for
+// tests and benchmarks (jflash/_src/ffi.py: cuda_forward_family): 90 (Hopper
+// kernel), 80 (sm80 kernel), 0 (not built), -1 (no usable device or an invalid
+// JFLASH_CUDA_FORWARD). dtype: 0 float16, 1 bfloat16.
+extern "C" __attribute__((visibility("default"))) int jflash_cuda_forward_family(int dtype,
+                                                                                int head_dim,
+                                                                                int banded) {
+  auto info = jflash::current_device_info();
+  const jflash::ForwardChoice choice = jflash::forward_choice();
+  if (info.has_error() || choice == jflash::ForwardChoice::kInvalid) return -1;
+  const auto kernel = jflash::SelectForward(**info, choice, static_cast<jflash::DType>(dtype),
+                                            head_dim, banded != 0, nullptr);
+  if (kernel.launch == nullptr) return 0;
+  return kernel.launch == jflash::cuda::sm90_fwd_kernel_slot(static_cast<jflash::DType>(dtype),
+                                                            head_dim, banded != 0)
+                                  .launch
+             ? 90
+             : 80;
+}
 
 // The library is built with hidden visibility; export the two handler symbols
 // that jflash/_src/ffi.py looks up.

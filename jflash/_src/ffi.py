@@ -80,3 +80,19 @@ if _cuda_lib is not None:
 
 HAS_CUDA_KERNELS = _cuda_lib is not None
 """True when this build contains the CUDA kernels (they run when arrays live on a GPU)."""
+
+
+def cuda_forward_family(dtype, head_dim: int, banded: bool) -> int:
+    """The CUDA forward kernel a call would run on the current GPU.
+
+    90: the Hopper (TMA + wgmma) kernel; 80: the sm80 kernel; 0: this build has
+    neither for (dtype, head_dim, banded); -1: no usable GPU, or an invalid
+    JFLASH_CUDA_FORWARD. head_dim is the kernel's (padded) head dim. For tests
+    and benchmarks; the choice itself is made per call in the C++ handler.
+    """
+    if _cuda_lib is None:
+        return 0
+    code = {"float16": 0, "bfloat16": 1}.get(jax.numpy.dtype(dtype).name)
+    if code is None:
+        return 0
+    return int(_cuda_lib.jflash_cuda_forward_family(code, int(head_dim), int(bool(banded))))

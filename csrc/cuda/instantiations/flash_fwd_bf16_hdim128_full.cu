@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_fwd_kernel(
-    DType::kBFloat16, 128, /*banded=*/false,
-    FwdKernel{&run_flash_fwd<Element, 128, false>, FwdTraits<Element, 128>::kSmemBytes});
+[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kBFloat16, 128, /*banded=*/false,
+    FwdKernel{&run_flash_fwd<Element, 128, false>,
+              FwdTraits<Element, 128>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One call on the lent GPU machine: build, test, sanitize, time. Logs go to $OUT.
-#   JFLASH_CUDA_SUBSET=... STEPS="build tests suite sanitize bench" bash csrc/cuda/tools/device_run.sh
+#   JFLASH_CUDA_SUBSET=... STEPS="build smoke tests suite sanitize bench" bash csrc/cuda/tools/device_run.sh
 # Expects the wheels of .whl/ (nvidia-cutlass, pytest) carried along.
 set -u
 : "${OUT:=/tmp/out}"
@@ -18,6 +18,9 @@ for step in $STEPS; do
         python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 \
         || { tail -40 "$OUT/build.log"; exit 1; }
       python3 -P -c "import jflash; print('HAS_CUDA_KERNELS', jflash.HAS_CUDA_KERNELS)" ;;
+    smoke)  # a hang or a wrong result stops the call here
+      timeout 120 python3 -P csrc/cuda/tools/smoke.py 2>&1 | tee "$OUT/smoke.log"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1 ;;
     tests)
       timeout 300 python3 -P -m pytest -q -p no:cacheprovider tests/test_cuda_specific.py > "$OUT/test_cuda.log" 2>&1
       tail -25 "$OUT/test_cuda.log" ;;

@@ -1,0 +1,473 @@
+// Hopper forward (sm90a): out, lse <- softmax(scale * Q K^T) V with TMA loads,
+// wgmma products and warp specialization. One CTA per (query block, head, batch).
+//
+// Roles (warpgroups of 128 threads):
+//   warpgroup 0, the producer: one thread issues TMA copies: the Q tile once,
+//     then K and V tiles into a ring of kStages shared-memory buffers, each
+//     buffer guarded by a "full" mbarrier (TMA bytes landed) and an "empty"
+//     mbarrier (every consumer thread is done reading it). It gives most of its
+//     registers away (setmaxnreg).
+//   warpgroups 1.., the consumers: 64 query rows each; per key tile
+//       S = Q K^T                 (wgmma, both operands in shared memory)
+//       online softmax of S       (registers; exp2 with the scale folded in)
+//       O = O * correction + P V  (wgmma, P from registers, V from shared memory)
+//
+// Two overlaps keep the tensor cores busy while the (slower) exp unit works:
+//   intra-warpgroup: step j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1}
+//     together, then runs softmax(S_j) while the P V product is still running;
+//   ping-pong (kPingPong): a pair of named barriers lets the consumer
+//     warpgroups issue their products in turn, so one warpgroup's softmax runs
+//     under the other's products.
+//
+// Masking follows the same policy as the sm80 kernels (jflash/mask.h): the band
+// decides the key-tile range, and only tiles it cuts (or the sequence end) are
+// masked per element. Rows and keys past the sequence ends arrive as zeros
+// from TMA's out-of-bounds fill; their scores are masked and their rows never
+// stored.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+
+#include "cuda/launch.h"
+#include "cuda/sm90/wgmma_utils.h"
+#include "cuda/tile_sizes.h"
+#include "cuda/utils.h"
+#include "jflash/params.h"
+
+namespace jflash::cuda::sm90 {
+
+using namespace cute;
+
+template <typename Element_, int kHeadDim_, bool kPingPong_ = true>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr Sm90FwdTile kTile = sm90_fwd_tile(kHeadDim);
+  static_assert(kTile.block_m > 0, "no sm90 forward tile for this head dim");
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kStages = kTile.stages;
+  static constexpr int kConsumerWarpgroups = kBlockM / 64;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kNThreads = 128 + kConsumerThreads;
+  static constexpr bool kPingPong = kPingPong_ && kConsumerWarpgroups == 2;
+  // setmaxnreg: the producer keeps 24 registers per thread, the consumers get
+  // 240 (24 * 128 + 240 * 256 <= 64K registers of the SM).
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
+
+  // Consumer warpgroups tile the M mode: warpgroup w owns rows [64 w, 64 w + 64).
+  using WarpgroupLayout = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
+  // S = Q K^T: M = block_m, N = block_n, K = head_dim; both operands K-major.
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      WarpgroupLayout{}));
+  // O += P V: M = block_m, N = head_dim, K = block_n; P from registers, V^T
+  // read MN-major (head_dim contiguous, as V is stored).
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      WarpgroupLayout{}));
+
+  // 128-byte swizzled layouts that both TMA and wgmma understand.
+  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                             Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                             Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // V stored as V^T tiles (head_dim x block_n), head_dim contiguous.
+  using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                              Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
+
+  // Global views that the TMA descriptors are built from, [seq, head_dim, heads,
+  // batch] (and [head_dim, seq, heads, batch] for V^T); strides in elements.
+  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStrideRowMajor = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemStrideTransposed = Stride<_1, int64_t, int64_t, int64_t>;
+  template <typename Stride_, typename SmemLayout, typename TileShape>
+  using Tma = decltype(make_tma_atom(
+      SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, Stride_{}),
+      SmemLayout{}, TileShape{}));
+  using TmaQ = Tma<GmemStrideRowMajor, SmemLayoutQ, Shape<Int<kBlockM>, Int<kHeadDim>>>;
+  using TmaK = Tma<GmemStrideRowMajor, decltype(take<0, 2>(SmemLayoutK{})),
+                   Shape<Int<kBlockN>, Int<kHeadDim>>>;
+  using TmaV = Tma<GmemStrideTransposed, decltype(take<0, 2>(SmemLayoutVt{})),
+                   Shape<Int<kHeadDim>, Int<kBlockN>>>;
+
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    // 1024-byte alignment: the period of the 128-byte swizzle.
+    alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutVt>> v;
+    alignas(8) uint64_t q_full;
+    uint64_t k_full[kStages];
+    uint64_t v_full[kStages];
+    uint64_t k_empty[kStages];
+    uint64_t v_empty[kStages];
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 227 * 1024);
+};
+
+// The kernel's parameters: the plain FwdParams plus the three TMA descriptors
+// built from them on the host (passed by value, as __grid_constant__).
+template <typename Traits>
+struct FwdArgs {
+  FwdParams params;
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaK tma_k;
+  typename Traits::TmaV tma_v;
+};
+
+// Ring position of the i-th K/V tile: buffer and the mbarrier phase parity
+// that its n-th fill completes.
+template <int kStages>
+struct RingSlot {
+  int stage;
+  uint32_t phase;
+  __device__ __forceinline__ explicit RingSlot(int i) : stage(i % kStages), phase((i / kStages) & 1) {}
+};
+
+template <typename Traits, bool kBanded>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_fwd_sm90_kernel(const __grid_constant__ FwdArgs<Traits> args) {
+  using Element = typename Traits::Element;
+  using SharedStorage = typename Traits::SharedStorage;
+  using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBarrier = cutlass::arch::ClusterBarrier;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  using Slot = RingSlot<kStages>;
+
+  const FwdParams& params = args.params;
+  extern __shared__ __align__(1024) char smem_raw[];
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  // Under a band, later query blocks usually see more keys (causal): start
+  // them first so that the short blocks fill the tail of the grid.
+  const int m_block = kBanded ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int kv_head = head / params.heads_per_kv;
+
+  const int row_begin = m_block * kBlockM;
+  const int row_end = min(row_begin + kBlockM, params.seqlen_q);
+  int key_begin = 0;
+  int key_end = params.seqlen_k;
+  if constexpr (kBanded) {
+    key_begin = static_cast<int>(params.mask.key_begin(row_begin));
+    key_end = static_cast<int>(params.mask.key_end(row_end, params.seqlen_k));
+  }
+  const int n_block_begin = key_begin / kBlockN;
+  const int n_tiles = key_begin < key_end ? ceil_div(key_end, kBlockN) - n_block_begin : 0;
+
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    FullBarrier::init(&smem.q_full, 1);
+    CUTE_UNROLL
+    for (int s = 0; s < kStages; ++s) {
+      FullBarrier::init(&smem.k_full[s], 1);
+      FullBarrier::init(&smem.v_full[s], 1);
+      EmptyBarrier::init(&smem.k_empty[s], Traits::kConsumerThreads);
+      EmptyBarrier::init(&smem.v_empty[s], Traits::kConsumerThreads);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutVt{});
+
+  if (warpgroup == 0) {
+    // ---------------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    if (threadIdx.x / 32 != 0 || n_tiles == 0 || !cute::elect_one_sync()) return;
+
+    const auto shape_q = make_shape(params.seqlen_q, kHeadDim, params.num_heads, params.batch);
+    const auto shape_k = make_shape(params.seqlen_k, kHeadDim, params.num_heads_kv, params.batch);
+    const auto shape_vt = make_shape(kHeadDim, params.seqlen_k, params.num_heads_kv, params.batch);
+    Tensor gQ = local_tile(args.tma_q.get_tma_tensor(shape_q)(_, _, head, batch),
+                           Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+    Tensor gK = local_tile(args.tma_k.get_tma_tensor(shape_k)(_, _, kv_head, batch),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+    Tensor gVt = local_tile(args.tma_v.get_tma_tensor(shape_vt)(_, _, kv_head, batch),
+                            Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(0, _));
+    // (TMA) for Q; (TMA, n_block) and (TMA, stage) for K and V.
+    auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{},
+                                      group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{},
+                                      group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{},
+                                      group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+
+    FullBarrier::arrive_and_expect_tx(&smem.q_full, Traits::kQBytes);
+    copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
+    for (int i = 0; i < n_tiles; ++i) {
+      const Slot slot(i);
+      // A fresh mbarrier counts as having completed the phase before phase 0,
+      // so the first pass over the ring does not wait.
+      EmptyBarrier::wait(&smem.k_empty[slot.stage], slot.phase ^ 1);
+      FullBarrier::arrive_and_expect_tx(&smem.k_full[slot.stage], Traits::kKVBytes);
+      copy(args.tma_k.with(smem.k_full[slot.stage]), tKgK(_, n_block_begin + i),
+           tKsK(_, slot.stage));
+      EmptyBarrier::wait(&smem.v_empty[slot.stage], slot.phase ^ 1);
+      FullBarrier::arrive_and_expect_tx(&smem.v_full[slot.stage], Traits::kKVBytes);
+      copy(args.tma_v.with(smem.v_full[slot.stage]), tVgV(_, n_block_begin + i),
+           tVsV(_, slot.stage));
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+  const int tidx = threadIdx.x - 128;  // 0 .. kConsumerThreads - 1
+  const int consumer = warpgroup - 1;  // which 64 rows of the tile
+
+  typename Traits::TiledMmaQK mma_qk;
+  typename Traits::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tidx);
+  auto thr_pv = mma_pv.get_thread_slice(tidx);
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // smem descriptors
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+
+  Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor acc_o = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+  Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+  // P = softmax numerators in the A-operand layout of the P V product.
+  Tensor tOrP = make_tensor<Element>(acc_as_a_operand(acc_s.layout()));
+  Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+
+  constexpr int kRows = decltype(size<0>(s_rc))::value;  // query rows this thread holds (2)
+  float row_max[kRows];  // running max of the scaled (log2-domain) scores
+  float row_sum[kRows];  // running sum of exp2(score - row_max), this thread's columns
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    row_max[r] = -INFINITY;
+    row_sum[r] = 0.f;
+  }
+
+  // Ping-pong: consumer c may issue products once barrier (kFirstBarrier + c)
+  // completes, and hands the turn to the other consumer after issuing. Each
+  // consumer issues n_tiles + 1 times; the first turn goes to consumer 0, and
+  // consumer 1 skips its last hand-over so that no barrier is left half-arrived.
+  constexpr uint32_t kFirstBarrier = 1;
+  constexpr uint32_t kPairThreads = 256;
+  auto begin_issue = [&] {
+    if constexpr (Traits::kPingPong) {
+      cutlass::arch::NamedBarrier::sync(kPairThreads, kFirstBarrier + consumer);
+    }
+  };
+  auto end_issue = [&](bool last) {
+    if constexpr (Traits::kPingPong) {
+      if (!(last && consumer == 1)) {
+        cutlass::arch::NamedBarrier::arrive(kPairThreads, kFirstBarrier + 1 - consumer);
+      }
+    }
+  };
+
+  // Scale S into the log2 domain, then mask (scale first: correct for any sign
+  // of softmax_scale), then fold it into the running max / sum. Leaves the
+  // exponentials in acc_s and each row's O correction factor in `correction`.
+  auto softmax_step = [&](int n_block, float (&correction)[kRows]) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(s_rc); ++i) s_rc(i) *= params.softmax_scale_log2;
+    const int key0 = n_block * kBlockN;
+    bool needs_mask = key0 + kBlockN > params.seqlen_k;
+    if constexpr (kBanded) {
+      needs_mask = needs_mask ||
+                   !params.mask.tile_all_visible(row_begin, row_end, key0, key0 + kBlockN);
+    }
+    if (needs_mask) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(s_rc); ++i) {
+        const int row = row_begin + get<0>(cS_rc(i));
+        const int col = key0 + get<1>(cS_rc(i));
+        bool visible = col < params.seqlen_k;
+        if constexpr (kBanded) visible = visible && params.mask.visible(row, col);
+        if (!visible) s_rc(i) = -INFINITY;
+      }
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float m = row_max[r];
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s_rc); ++c) m = fmaxf(m, s_rc(r, c));
+      m = quad_allreduce(m, MaxOp{});
+      // A row with no visible key yet keeps m = -inf; subtract 0 instead so
+      // that exp2(-inf - -inf) never makes a NaN.
+      const float m_safe = m == -INFINITY ? 0.f : m;
+      correction[r] = m == row_max[r] ? 1.f : fast_exp2(row_max[r] - m_safe);
+      row_max[r] = m;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s_rc); ++c) {
+        s_rc(r, c) = fast_exp2(s_rc(r, c) - m_safe);
+        sum += s_rc(r, c);
+      }
+      row_sum[r] = row_sum[r] * correction[r] + sum;
+    }
+  };
+  // tOrP and acc_s map each (row, col) to the same register offset; write P
+  // through acc_s's layout so that the element order cannot differ.
+  auto convert_p = [&] {
+    Tensor p = convert_fragment<Element>(acc_s);
+    Tensor dst = make_tensor(tOrP.data(), acc_s.layout());
+    CUTE_UNROLL
+    for (int i = 0; i < size(p); ++i) dst(i) = p(i);
+  };
+
+  clear(acc_o);
+  if (n_tiles > 0) {
+    if constexpr (Traits::kPingPong) {
+      if (consumer == 1) cutlass::arch::NamedBarrier::arrive(kPairThreads, kFirstBarrier);
+    }
+    FullBarrier::wait(&smem.q_full, 0);
+
+    // Step 0: S_0 only.
+    {
+      const Slot slot(0);
+      begin_issue();
+      FullBarrier::wait(&smem.k_full[slot.stage], slot.phase);
+      wgmma_issue</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, slot.stage), acc_s);
+      end_issue(false);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_s);
+      EmptyBarrier::arrive(&smem.k_empty[slot.stage]);
+      float correction[kRows];
+      softmax_step(n_block_begin, correction);
+      convert_p();
+    }
+    for (int i = 1; i < n_tiles; ++i) {
+      const Slot slot(i);
+      const Slot prev(i - 1);
+      begin_issue();
+      FullBarrier::wait(&smem.k_full[slot.stage], slot.phase);
+      wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, slot.stage), acc_s);
+      FullBarrier::wait(&smem.v_full[prev.stage], prev.phase);
+      warpgroup_fence_operand(tOrP);
+      wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, prev.stage), acc_o);
+      end_issue(false);
+      warpgroup_wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
+      warpgroup_fence_operand(acc_s);
+      EmptyBarrier::arrive(&smem.k_empty[slot.stage]);
+      float correction[kRows];
+      softmax_step(n_block_begin + i, correction);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      warpgroup_fence_operand(tOrP);
+      EmptyBarrier::arrive(&smem.v_empty[prev.stage]);
+      // O *= correction; skipped when no row of the warp raised its max (exact:
+      // the correction is then 1).
+      bool changed = false;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) changed |= correction[r] != 1.f;
+      if (__any_sync(0xffffffff, changed)) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= correction[r];
+        }
+      }
+      convert_p();
+    }
+    // Last step: P_{n-1} V_{n-1}.
+    {
+      const Slot prev(n_tiles - 1);
+      begin_issue();
+      FullBarrier::wait(&smem.v_full[prev.stage], prev.phase);
+      warpgroup_fence_operand(tOrP);
+      wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, prev.stage), acc_o);
+      end_issue(true);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+    }
+  }
+
+  // Epilogue: O /= rowsum, lse = ln(sum) + max (natural log); a row that saw no
+  // key has sum 0 and gets O = 0, lse = -inf.
+  Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor cO_rc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
+  float* lse_ptr = params.lse + (int64_t(batch) * params.num_heads + head) * params.seqlen_q;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const float sum = quad_allreduce(row_sum[r], SumOp{});
+    const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv_sum;
+    const int row = row_begin + get<0>(cO_rc(r, 0));
+    if (tidx % 4 == 0 && row < params.seqlen_q) {
+      lse_ptr[row] = sum > 0.f ? row_max[r] * float(M_LN2) + logf(sum) : -INFINITY;
+    }
+  }
+  Tensor o = convert_fragment<Element>(acc_o);
+  Element* out_ptr = static_cast<Element*>(params.out) + batch * params.out_batch_stride +
+                     head * params.out_head_stride;
+  // Fragment elements 2i, 2i+1 are adjacent columns of one row: 4-byte stores.
+  CUTE_UNROLL
+  for (int i = 0; i < size(o); i += 2) {
+    const int row = row_begin + get<0>(cO(i));
+    if (row < params.seqlen_q) {
+      const int col = get<1>(cO(i));
+      Element* dst = out_ptr + int64_t(row) * params.out_row_stride + col;
+      *reinterpret_cast<uint32_t*>(dst) = pack_pair(o(i), o(i + 1));
+    }
+  }
+}
+
+template <typename Element, int kHeadDim, bool kBanded, bool kPingPong = true>
+cudaError_t run_flash_fwd_sm90(const FwdParams& params, const LaunchContext& ctx) {
+  using Traits = FwdTraits<Element, kHeadDim, kPingPong>;
+  auto gmem = [](const void* ptr, auto shape, auto stride) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), shape, stride);
+  };
+  const auto shape_q = make_shape(params.seqlen_q, kHeadDim, params.num_heads, params.batch);
+  const auto shape_k = make_shape(params.seqlen_k, kHeadDim, params.num_heads_kv, params.batch);
+  const auto shape_vt = make_shape(kHeadDim, params.seqlen_k, params.num_heads_kv, params.batch);
+  FwdArgs<Traits> args{
+      params,
+      make_tma_atom(SM90_TMA_LOAD{},
+                    gmem(params.q, shape_q,
+                         make_stride(params.q_row_stride, _1{}, params.q_head_stride,
+                                     params.q_batch_stride)),
+                    typename Traits::SmemLayoutQ{}, Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}),
+      make_tma_atom(SM90_TMA_LOAD{},
+                    gmem(params.k, shape_k,
+                         make_stride(params.k_row_stride, _1{}, params.k_head_stride,
+                                     params.k_batch_stride)),
+                    take<0, 2>(typename Traits::SmemLayoutK{}),
+                    Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}),
+      make_tma_atom(SM90_TMA_LOAD{},
+                    gmem(params.v, shape_vt,
+                         make_stride(_1{}, params.v_row_stride, params.v_head_stride,
+                                     params.v_batch_stride)),
+                    take<0, 2>(typename Traits::SmemLayoutVt{}),
+                    Shape<Int<kHeadDim>, Int<Traits::kBlockN>>{}),
+  };
+  auto kernel = &flash_fwd_sm90_kernel<Traits, kBanded>;
+  constexpr int kSmemBytes = Traits::kSmemBytes;
+  if (cudaError_t err = cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+      err != cudaSuccess) {
+    return err;
+  }
+  const dim3 grid(ceil_div(params.seqlen_q, Traits::kBlockM), params.num_heads, params.batch);
+  kernel<<<grid, Traits::kNThreads, kSmemBytes, ctx.stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace jflash::cuda::sm90
