@@ -5,7 +5,7 @@
 //   warpgroup 0, the producer: one thread issues TMA copies: the Q tile once,
 //     then K and V tiles into a ring of kStages shared-memory buffers, each
 //     buffer guarded by a "full" mbarrier (TMA bytes landed) and an "empty"
-//     mbarrier (every consumer thread is done reading it). It gives most of its
+//     mbarrier (every consumer warp is done reading it). It gives most of its
 //     registers away (setmaxnreg).
 //   warpgroups 1.., the consumers: 64 query rows each; per key tile
 //       S = Q K^T                 (wgmma, both operands in shared memory)
@@ -179,8 +179,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       FullBarrier::init(&smem.k_full[s], 1);
       FullBarrier::init(&smem.v_full[s], 1);
-      EmptyBarrier::init(&smem.k_empty[s], Traits::kConsumerThreads);
-      EmptyBarrier::init(&smem.v_empty[s], Traits::kConsumerThreads);
+      EmptyBarrier::init(&smem.k_empty[s], Traits::kConsumerThreads / 32);
+      EmptyBarrier::init(&smem.v_empty[s], Traits::kConsumerThreads / 32);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -252,6 +252,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
 
+  // One arrival per consumer warp, after the wgmma wait that completes its
+  // reads of the buffer (the wait is warp-synchronous, so lane 0 speaks for all).
+  const bool warp_leader = tidx % 32 == 0;
+  auto release = [&](uint64_t* barrier) {
+    if (warp_leader) EmptyBarrier::arrive(barrier);
+  };
+
   constexpr int kRows = decltype(size<0>(s_rc))::value;  // query rows this thread holds (2)
   float row_max[kRows];  // running max of the scaled (log2-domain) scores
   float row_sum[kRows];  // running sum of exp2(score - row_max), this thread's columns
@@ -280,12 +287,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   };
 
-  // Scale S into the log2 domain, then mask (scale first: correct for any sign
-  // of softmax_scale), then fold it into the running max / sum. Leaves the
+  // Folds the score tile S into the running max / sum and leaves the
   // exponentials in acc_s and each row's O correction factor in `correction`.
+  // Scores live in the log2 domain: exp(scale * s) = exp2(scale_log2 * s).
   auto softmax_step = [&](int n_block, float (&correction)[kRows]) {
-    CUTE_UNROLL
-    for (int i = 0; i < size(s_rc); ++i) s_rc(i) *= params.softmax_scale_log2;
+    const float scale = params.softmax_scale_log2;
     const int key0 = n_block * kBlockN;
     bool needs_mask = key0 + kBlockN > params.seqlen_k;
     if constexpr (kBanded) {
@@ -293,30 +299,49 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                    !params.mask.tile_all_visible(row_begin, row_end, key0, key0 + kBlockN);
     }
     if (needs_mask) {
+      // Scale first, then mask with -inf: correct for any sign of the scale.
       CUTE_UNROLL
       for (int i = 0; i < size(s_rc); ++i) {
         const int row = row_begin + get<0>(cS_rc(i));
         const int col = key0 + get<1>(cS_rc(i));
         bool visible = col < params.seqlen_k;
         if constexpr (kBanded) visible = visible && params.mask.visible(row, col);
-        if (!visible) s_rc(i) = -INFINITY;
+        s_rc(i) = visible ? s_rc(i) * scale : -INFINITY;
       }
     }
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float m = row_max[r];
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s_rc); ++c) m = fmaxf(m, s_rc(r, c));
-      m = quad_allreduce(m, MaxOp{});
+      // Unmasked tiles (almost all of them) keep raw scores: the row max of
+      // scale * s is scale * max(s) (min(s) for a negative scale), and each
+      // exponent is one FFMA, scale * s - max, saving a multiply per score.
+      float tile_max;
+      if (needs_mask) {
+        tile_max = -INFINITY;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s_rc); ++c) tile_max = fmaxf(tile_max, s_rc(r, c));
+      } else if (scale >= 0.f) {
+        tile_max = s_rc(r, 0);
+        CUTE_UNROLL
+        for (int c = 1; c < size<1>(s_rc); ++c) tile_max = fmaxf(tile_max, s_rc(r, c));
+        tile_max = quad_allreduce(tile_max, MaxOp{}) * scale;
+      } else {
+        tile_max = s_rc(r, 0);
+        CUTE_UNROLL
+        for (int c = 1; c < size<1>(s_rc); ++c) tile_max = fminf(tile_max, s_rc(r, c));
+        tile_max = -quad_allreduce(-tile_max, MaxOp{}) * scale;
+      }
+      if (needs_mask) tile_max = quad_allreduce(tile_max, MaxOp{});
+      const float m = fmaxf(row_max[r], tile_max);
       // A row with no visible key yet keeps m = -inf; subtract 0 instead so
       // that exp2(-inf - -inf) never makes a NaN.
       const float m_safe = m == -INFINITY ? 0.f : m;
       correction[r] = m == row_max[r] ? 1.f : fast_exp2(row_max[r] - m_safe);
       row_max[r] = m;
+      const float s_scale = needs_mask ? 1.f : scale;  // masked tiles are scaled already
       float sum = 0.f;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s_rc); ++c) {
-        s_rc(r, c) = fast_exp2(s_rc(r, c) - m_safe);
+        s_rc(r, c) = fast_exp2(fmaf(s_rc(r, c), s_scale, -m_safe));
         sum += s_rc(r, c);
       }
       row_sum[r] = row_sum[r] * correction[r] + sum;
@@ -347,7 +372,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       end_issue(false);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_s);
-      EmptyBarrier::arrive(&smem.k_empty[slot.stage]);
+      release(&smem.k_empty[slot.stage]);
       float correction[kRows];
       softmax_step(n_block_begin, correction);
       convert_p();
@@ -364,13 +389,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       end_issue(false);
       warpgroup_wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
       warpgroup_fence_operand(acc_s);
-      EmptyBarrier::arrive(&smem.k_empty[slot.stage]);
+      release(&smem.k_empty[slot.stage]);
       float correction[kRows];
       softmax_step(n_block_begin + i, correction);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
       warpgroup_fence_operand(tOrP);
-      EmptyBarrier::arrive(&smem.v_empty[prev.stage]);
+      release(&smem.v_empty[prev.stage]);
       // O *= correction; skipped when no row of the warp raised its max (exact:
       // the correction is then 1).
       bool changed = false;
