@@ -290,6 +290,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Folds the score tile S into the running max / sum and leaves the
   // exponentials in acc_s and each row's O correction factor in `correction`.
   // Scores live in the log2 domain: exp(scale * s) = exp2(scale_log2 * s).
+  constexpr int kCols = decltype(size<1>(s_rc))::value;  // columns per row and thread
+  static_assert(kCols % 4 == 0);
+  // Reduces row r of the score tile with four independent partial results:
+  // one serial chain of kCols dependent instructions would leave the warp
+  // waiting on each one's latency.
+  auto row_reduce = [&](int r, auto op) {
+    float part[4];
+    CUTE_UNROLL
+    for (int a = 0; a < 4; ++a) part[a] = s_rc(r, a);
+    CUTE_UNROLL
+    for (int c = 4; c < kCols; ++c) part[c % 4] = op(part[c % 4], s_rc(r, c));
+    return op(op(part[0], part[1]), op(part[2], part[3]));
+  };
   auto softmax_step = [&](int n_block, float (&correction)[kRows]) {
     const float scale = params.softmax_scale_log2;
     const int key0 = n_block * kBlockN;
@@ -300,13 +313,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     if (needs_mask) {
       // Scale first, then mask with -inf: correct for any sign of the scale.
+      // A row's visible keys are one range, [key_lo, key_hi) within this tile.
       CUTE_UNROLL
-      for (int i = 0; i < size(s_rc); ++i) {
-        const int row = row_begin + get<0>(cS_rc(i));
-        const int col = key0 + get<1>(cS_rc(i));
-        bool visible = col < params.seqlen_k;
-        if constexpr (kBanded) visible = visible && params.mask.visible(row, col);
-        s_rc(i) = visible ? s_rc(i) * scale : -INFINITY;
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t row = row_begin + get<0>(cS_rc(r, 0));
+        int64_t lo = 0, hi = params.seqlen_k;
+        if constexpr (kBanded) {
+          lo = params.mask.key_begin(row);
+          hi = params.mask.key_end(row + 1, params.seqlen_k);
+        }
+        const int key_lo = static_cast<int>(max(lo - key0, int64_t{0}));
+        const int key_hi = static_cast<int>(min(hi - key0, int64_t{kBlockN}));
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; ++c) {
+          const int col = get<1>(cS_rc(r, c));
+          s_rc(r, c) = col >= key_lo && col < key_hi ? s_rc(r, c) * scale : -INFINITY;
+        }
       }
     }
     CUTE_UNROLL
@@ -316,21 +338,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // exponent is one FFMA, scale * s - max, saving a multiply per score.
       float tile_max;
       if (needs_mask) {
-        tile_max = -INFINITY;
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(s_rc); ++c) tile_max = fmaxf(tile_max, s_rc(r, c));
+        tile_max = quad_allreduce(row_reduce(r, MaxOp{}), MaxOp{});
       } else if (scale >= 0.f) {
-        tile_max = s_rc(r, 0);
-        CUTE_UNROLL
-        for (int c = 1; c < size<1>(s_rc); ++c) tile_max = fmaxf(tile_max, s_rc(r, c));
-        tile_max = quad_allreduce(tile_max, MaxOp{}) * scale;
+        tile_max = quad_allreduce(row_reduce(r, MaxOp{}), MaxOp{}) * scale;
       } else {
-        tile_max = s_rc(r, 0);
-        CUTE_UNROLL
-        for (int c = 1; c < size<1>(s_rc); ++c) tile_max = fminf(tile_max, s_rc(r, c));
-        tile_max = -quad_allreduce(-tile_max, MaxOp{}) * scale;
+        tile_max = -quad_allreduce(-row_reduce(r, MinOp{}), MaxOp{}) * scale;
       }
-      if (needs_mask) tile_max = quad_allreduce(tile_max, MaxOp{});
       const float m = fmaxf(row_max[r], tile_max);
       // A row with no visible key yet keeps m = -inf; subtract 0 instead so
       // that exp2(-inf - -inf) never makes a NaN.
@@ -338,13 +351,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       correction[r] = m == row_max[r] ? 1.f : fast_exp2(row_max[r] - m_safe);
       row_max[r] = m;
       const float s_scale = needs_mask ? 1.f : scale;  // masked tiles are scaled already
-      float sum = 0.f;
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(s_rc); ++c) {
-        s_rc(r, c) = fast_exp2(fmaf(s_rc(r, c), s_scale, -m_safe));
-        sum += s_rc(r, c);
-      }
-      row_sum[r] = row_sum[r] * correction[r] + sum;
+      for (int c = 0; c < kCols; ++c) s_rc(r, c) = fast_exp2(fmaf(s_rc(r, c), s_scale, -m_safe));
+      row_sum[r] = row_sum[r] * correction[r] + row_reduce(r, SumOp{});
     }
   };
   // tOrP and acc_s map each (row, col) to the same register offset; write P
