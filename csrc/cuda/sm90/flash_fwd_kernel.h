@@ -1,5 +1,6 @@
 // Hopper forward (sm90a): out, lse <- softmax(scale * Q K^T) V with TMA loads,
-// wgmma products and warp specialization. One CTA per (query block, head, batch).
+// wgmma products and warp specialization. Persistent: one CTA per SM walks a
+// static sequence of (query block, head, batch) tiles.
 //
 // Roles (warpgroups of 128 threads):
 //   warpgroup 0, the producer: one thread issues TMA copies: the Q tile once,
@@ -27,6 +28,8 @@
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include <cute/arch/cluster_sm90.hpp>
 #include <cute/tensor.hpp>
@@ -109,6 +112,7 @@ struct FwdTraits {
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutVt>> v;
     alignas(8) uint64_t q_full;
+    uint64_t q_empty;
     uint64_t k_full[kStages];
     uint64_t v_full[kStages];
     uint64_t k_empty[kStages];
@@ -154,27 +158,41 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
-  // Under a band, later query blocks usually see more keys (causal): start
-  // them first so that the short blocks fill the tail of the grid.
-  const int m_block = kBanded ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const int kv_head = head / params.heads_per_kv;
-
-  const int row_begin = m_block * kBlockM;
-  const int row_end = min(row_begin + kBlockM, params.seqlen_q);
-  int key_begin = 0;
-  int key_end = params.seqlen_k;
-  if constexpr (kBanded) {
-    key_begin = static_cast<int>(params.mask.key_begin(row_begin));
-    key_end = static_cast<int>(params.mask.key_end(row_end, params.seqlen_k));
-  }
-  const int n_block_begin = key_begin / kBlockN;
-  const int n_tiles = key_begin < key_end ? ceil_div(key_end, kBlockN) - n_block_begin : 0;
+  // Persistent CTAs: CTA c runs tiles c, c + gridDim.x, ... of the sequence
+  // (query block fastest, then head, then batch), so the CTAs running at one
+  // time share heads and their K/V stay in L2. Under a band, later query
+  // blocks usually see more keys (causal): they come first in each head, and
+  // the stride spreads long and short blocks evenly over the CTAs.
+  const int num_m_blocks = ceil_div(params.seqlen_q, kBlockM);
+  const int num_tiles = num_m_blocks * params.num_heads * params.batch;
+  struct Tile {
+    int m_block, head, batch;
+    int row_begin, row_end;     // query rows
+    int n_block_begin, n_tiles;  // key tiles the band lets these rows see
+  };
+  auto tile_at = [&](int t) {
+    Tile tile;
+    const int m_index = t % num_m_blocks;
+    tile.m_block = kBanded ? num_m_blocks - 1 - m_index : m_index;
+    tile.head = (t / num_m_blocks) % params.num_heads;
+    tile.batch = t / (num_m_blocks * params.num_heads);
+    tile.row_begin = tile.m_block * kBlockM;
+    tile.row_end = min(tile.row_begin + kBlockM, params.seqlen_q);
+    int key_begin = 0;
+    int key_end = params.seqlen_k;
+    if constexpr (kBanded) {
+      key_begin = static_cast<int>(params.mask.key_begin(tile.row_begin));
+      key_end = static_cast<int>(params.mask.key_end(tile.row_end, params.seqlen_k));
+    }
+    tile.n_block_begin = key_begin / kBlockN;
+    tile.n_tiles = key_begin < key_end ? ceil_div(key_end, kBlockN) - tile.n_block_begin : 0;
+    return tile;
+  };
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     FullBarrier::init(&smem.q_full, 1);
+    EmptyBarrier::init(&smem.q_empty, Traits::kConsumerThreads / 32);
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
       FullBarrier::init(&smem.k_full[s], 1);
@@ -193,39 +211,51 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-    if (threadIdx.x / 32 != 0 || n_tiles == 0 || !cute::elect_one_sync()) return;
+    if (threadIdx.x / 32 != 0 || !cute::elect_one_sync()) return;
 
     const auto shape_q = make_shape(params.seqlen_q, kHeadDim, params.num_heads, params.batch);
     const auto shape_k = make_shape(params.seqlen_k, kHeadDim, params.num_heads_kv, params.batch);
     const auto shape_vt = make_shape(kHeadDim, params.seqlen_k, params.num_heads_kv, params.batch);
-    Tensor gQ = local_tile(args.tma_q.get_tma_tensor(shape_q)(_, _, head, batch),
-                           Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
-    Tensor gK = local_tile(args.tma_k.get_tma_tensor(shape_k)(_, _, kv_head, batch),
-                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
-    Tensor gVt = local_tile(args.tma_v.get_tma_tensor(shape_vt)(_, _, kv_head, batch),
-                            Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(0, _));
-    // (TMA) for Q; (TMA, n_block) and (TMA, stage) for K and V.
-    auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{},
-                                      group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{},
-                                      group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{},
-                                      group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+    Tensor mQ = args.tma_q.get_tma_tensor(shape_q);
+    Tensor mK = args.tma_k.get_tma_tensor(shape_k);
+    Tensor mVt = args.tma_v.get_tma_tensor(shape_vt);
+    int kv_iter = 0;  // K/V tiles loaded so far: position in the ring
+    int q_iter = 0;   // Q tiles loaded so far
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      const Tile tile = tile_at(t);
+      if (tile.n_tiles == 0) continue;
+      const int kv_head = tile.head / params.heads_per_kv;
+      Tensor gQ = local_tile(mQ(_, _, tile.head, tile.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                             make_coord(tile.m_block, 0));
+      Tensor gK = local_tile(mK(_, _, kv_head, tile.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                             make_coord(_, 0));
+      Tensor gVt = local_tile(mVt(_, _, kv_head, tile.batch),
+                              Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(0, _));
+      // (TMA) for Q; (TMA, n_block) and (TMA, stage) for K and V.
+      auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{},
+                                        group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{},
+                                        group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{},
+                                        group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
 
-    FullBarrier::arrive_and_expect_tx(&smem.q_full, Traits::kQBytes);
-    copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
-    for (int i = 0; i < n_tiles; ++i) {
-      const Slot slot(i);
       // A fresh mbarrier counts as having completed the phase before phase 0,
-      // so the first pass over the ring does not wait.
-      EmptyBarrier::wait(&smem.k_empty[slot.stage], slot.phase ^ 1);
-      FullBarrier::arrive_and_expect_tx(&smem.k_full[slot.stage], Traits::kKVBytes);
-      copy(args.tma_k.with(smem.k_full[slot.stage]), tKgK(_, n_block_begin + i),
-           tKsK(_, slot.stage));
-      EmptyBarrier::wait(&smem.v_empty[slot.stage], slot.phase ^ 1);
-      FullBarrier::arrive_and_expect_tx(&smem.v_full[slot.stage], Traits::kKVBytes);
-      copy(args.tma_v.with(smem.v_full[slot.stage]), tVgV(_, n_block_begin + i),
-           tVsV(_, slot.stage));
+      // so the first wait on each "empty" barrier passes at once. The next
+      // tile's Q and first K/V tiles load while the consumers finish this one.
+      EmptyBarrier::wait(&smem.q_empty, (q_iter & 1) ^ 1);
+      FullBarrier::arrive_and_expect_tx(&smem.q_full, Traits::kQBytes);
+      copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
+      ++q_iter;
+      for (int i = 0; i < tile.n_tiles; ++i, ++kv_iter) {
+        const Slot slot(kv_iter);
+        const int n_block = tile.n_block_begin + i;
+        EmptyBarrier::wait(&smem.k_empty[slot.stage], slot.phase ^ 1);
+        FullBarrier::arrive_and_expect_tx(&smem.k_full[slot.stage], Traits::kKVBytes);
+        copy(args.tma_k.with(smem.k_full[slot.stage]), tKgK(_, n_block), tKsK(_, slot.stage));
+        EmptyBarrier::wait(&smem.v_empty[slot.stage], slot.phase ^ 1);
+        FullBarrier::arrive_and_expect_tx(&smem.v_full[slot.stage], Traits::kKVBytes);
+        copy(args.tma_v.with(smem.v_full[slot.stage]), tVgV(_, n_block), tVsV(_, slot.stage));
+      }
     }
     return;
   }
@@ -262,16 +292,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kRows = decltype(size<0>(s_rc))::value;  // query rows this thread holds (2)
   float row_max[kRows];  // running max of the scaled (log2-domain) scores
   float row_sum[kRows];  // running sum of exp2(score - row_max), this thread's columns
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    row_max[r] = -INFINITY;
-    row_sum[r] = 0.f;
-  }
+  int row_begin = 0;     // the current tile's query rows
+  int row_end = 0;
 
   // Ping-pong: consumer c may issue products once barrier (kFirstBarrier + c)
   // completes, and hands the turn to the other consumer after issuing. Each
-  // consumer issues n_tiles + 1 times; the first turn goes to consumer 0, and
-  // consumer 1 skips its last hand-over so that no barrier is left half-arrived.
+  // consumer issues n_tiles + 1 times per tile; the first turn of each tile
+  // goes to consumer 0, and consumer 1 skips its last hand-over of the tile, so
+  // that every tile leaves both barriers as it found them.
   constexpr uint32_t kFirstBarrier = 1;
   constexpr uint32_t kPairThreads = 256;
   auto begin_issue = [&] {
@@ -365,102 +393,122 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int i = 0; i < size(p); ++i) dst(i) = p(i);
   };
 
-  clear(acc_o);
-  if (n_tiles > 0) {
-    if constexpr (Traits::kPingPong) {
-      if (consumer == 1) cutlass::arch::NamedBarrier::arrive(kPairThreads, kFirstBarrier);
-    }
-    FullBarrier::wait(&smem.q_full, 0);
-
-    // Step 0: S_0 only.
-    {
-      const Slot slot(0);
-      begin_issue();
-      FullBarrier::wait(&smem.k_full[slot.stage], slot.phase);
-      wgmma_issue</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, slot.stage), acc_s);
-      end_issue(false);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_s);
-      release(&smem.k_empty[slot.stage]);
-      float correction[kRows];
-      softmax_step(n_block_begin, correction);
-      convert_p();
-    }
-    for (int i = 1; i < n_tiles; ++i) {
-      const Slot slot(i);
-      const Slot prev(i - 1);
-      begin_issue();
-      FullBarrier::wait(&smem.k_full[slot.stage], slot.phase);
-      wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, slot.stage), acc_s);
-      FullBarrier::wait(&smem.v_full[prev.stage], prev.phase);
-      warpgroup_fence_operand(tOrP);
-      wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, prev.stage), acc_o);
-      end_issue(false);
-      warpgroup_wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
-      warpgroup_fence_operand(acc_s);
-      release(&smem.k_empty[slot.stage]);
-      float correction[kRows];
-      softmax_step(n_block_begin + i, correction);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      warpgroup_fence_operand(tOrP);
-      release(&smem.v_empty[prev.stage]);
-      // O *= correction; skipped when no row of the warp raised its max (exact:
-      // the correction is then 1).
-      bool changed = false;
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) changed |= correction[r] != 1.f;
-      if (__any_sync(0xffffffff, changed)) {
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= correction[r];
-        }
-      }
-      convert_p();
-    }
-    // Last step: P_{n-1} V_{n-1}.
-    {
-      const Slot prev(n_tiles - 1);
-      begin_issue();
-      FullBarrier::wait(&smem.v_full[prev.stage], prev.phase);
-      warpgroup_fence_operand(tOrP);
-      wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, prev.stage), acc_o);
-      end_issue(true);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-    }
-  }
-
-  // Epilogue: O /= rowsum, lse = ln(sum) + max (natural log); a row that saw no
-  // key has sum 0 and gets O = 0, lse = -inf.
   Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
-  float* lse_ptr = params.lse + (int64_t(batch) * params.num_heads + head) * params.seqlen_q;
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    const float sum = quad_allreduce(row_sum[r], SumOp{});
-    const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+  int kv_iter = 0;  // K/V tiles consumed so far: position in the ring
+  int q_iter = 0;   // Q tiles consumed so far
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const Tile tile = tile_at(t);
+    const int n_tiles = tile.n_tiles;
+    const int n_block_begin = tile.n_block_begin;
+    row_begin = tile.row_begin;
+    row_end = tile.row_end;
     CUTE_UNROLL
-    for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv_sum;
-    const int row = row_begin + get<0>(cO_rc(r, 0));
-    if (tidx % 4 == 0 && row < params.seqlen_q) {
-      lse_ptr[row] = sum > 0.f ? row_max[r] * float(M_LN2) + logf(sum) : -INFINITY;
+    for (int r = 0; r < kRows; ++r) {
+      row_max[r] = -INFINITY;
+      row_sum[r] = 0.f;
     }
-  }
-  Tensor o = convert_fragment<Element>(acc_o);
-  Element* out_ptr = static_cast<Element*>(params.out) + batch * params.out_batch_stride +
-                     head * params.out_head_stride;
-  // Fragment elements 2i, 2i+1 are adjacent columns of one row: 4-byte stores.
-  CUTE_UNROLL
-  for (int i = 0; i < size(o); i += 2) {
-    const int row = row_begin + get<0>(cO(i));
-    if (row < params.seqlen_q) {
-      const int col = get<1>(cO(i));
-      Element* dst = out_ptr + int64_t(row) * params.out_row_stride + col;
-      *reinterpret_cast<uint32_t*>(dst) = pack_pair(o(i), o(i + 1));
+    clear(acc_o);
+    if (n_tiles > 0) {
+      if constexpr (Traits::kPingPong) {
+        if (consumer == 1) cutlass::arch::NamedBarrier::arrive(kPairThreads, kFirstBarrier);
+      }
+      FullBarrier::wait(&smem.q_full, q_iter & 1);
+
+      // Step 0: S_0 only.
+      {
+        const Slot slot(kv_iter);
+        begin_issue();
+        FullBarrier::wait(&smem.k_full[slot.stage], slot.phase);
+        wgmma_issue</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, slot.stage), acc_s);
+        end_issue(false);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_s);
+        release(&smem.k_empty[slot.stage]);
+        if (n_tiles == 1) release(&smem.q_empty);  // the tile's last Q K^T is done
+        float correction[kRows];
+        softmax_step(n_block_begin, correction);
+        convert_p();
+      }
+      for (int i = 1; i < n_tiles; ++i) {
+        const Slot slot(kv_iter + i);
+        const Slot prev(kv_iter + i - 1);
+        begin_issue();
+        FullBarrier::wait(&smem.k_full[slot.stage], slot.phase);
+        wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, slot.stage), acc_s);
+        FullBarrier::wait(&smem.v_full[prev.stage], prev.phase);
+        warpgroup_fence_operand(tOrP);
+        wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, prev.stage), acc_o);
+        end_issue(false);
+        warpgroup_wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
+        warpgroup_fence_operand(acc_s);
+        release(&smem.k_empty[slot.stage]);
+        if (i == n_tiles - 1) release(&smem.q_empty);  // the tile's last Q K^T is done
+        float correction[kRows];
+        softmax_step(n_block_begin + i, correction);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o);
+        warpgroup_fence_operand(tOrP);
+        release(&smem.v_empty[prev.stage]);
+        // O *= correction; skipped when no row of the warp raised its max (exact:
+        // the correction is then 1).
+        bool changed = false;
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) changed |= correction[r] != 1.f;
+        if (__any_sync(0xffffffff, changed)) {
+          CUTE_UNROLL
+          for (int r = 0; r < kRows; ++r) {
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= correction[r];
+          }
+        }
+        convert_p();
+      }
+      // Last step: P_{n-1} V_{n-1}.
+      {
+        const Slot prev(kv_iter + n_tiles - 1);
+        begin_issue();
+        FullBarrier::wait(&smem.v_full[prev.stage], prev.phase);
+        warpgroup_fence_operand(tOrP);
+        wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, prev.stage), acc_o);
+        end_issue(true);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o);
+        release(&smem.v_empty[prev.stage]);
+      }
+      kv_iter += n_tiles;
+      ++q_iter;
     }
-  }
+
+    // Epilogue: O /= rowsum, lse = ln(sum) + max (natural log); a row that saw no
+    // key has sum 0 and gets O = 0, lse = -inf.
+    float* lse_ptr =
+        params.lse + (int64_t(tile.batch) * params.num_heads + tile.head) * params.seqlen_q;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = quad_allreduce(row_sum[r], SumOp{});
+      const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv_sum;
+      const int row = row_begin + get<0>(cO_rc(r, 0));
+      if (tidx % 4 == 0 && row < params.seqlen_q) {
+        lse_ptr[row] = sum > 0.f ? row_max[r] * float(M_LN2) + logf(sum) : -INFINITY;
+      }
+    }
+    Tensor o = convert_fragment<Element>(acc_o);
+    Element* out_ptr = static_cast<Element*>(params.out) + tile.batch * params.out_batch_stride +
+                       tile.head * params.out_head_stride;
+    // Fragment elements 2i, 2i+1 are adjacent columns of one row: 4-byte stores.
+    CUTE_UNROLL
+    for (int i = 0; i < size(o); i += 2) {
+      const int row = row_begin + get<0>(cO(i));
+      if (row < params.seqlen_q) {
+        const int col = get<1>(cO(i));
+        Element* dst = out_ptr + int64_t(row) * params.out_row_stride + col;
+        *reinterpret_cast<uint32_t*>(dst) = pack_pair(o(i), o(i + 1));
+      }
+    }
+  }  // tile loop
 }
 
 template <typename Element, int kHeadDim, bool kBanded, bool kPingPong = true>
@@ -499,7 +547,11 @@ cudaError_t run_flash_fwd_sm90(const FwdParams& params, const LaunchContext& ctx
       err != cudaSuccess) {
     return err;
   }
-  const dim3 grid(ceil_div(params.seqlen_q, Traits::kBlockM), params.num_heads, params.batch);
+  // Persistent: one CTA per SM (the shared memory allows no more), or fewer
+  // when there are fewer tiles.
+  const int64_t num_tiles =
+      int64_t{ceil_div(params.seqlen_q, Traits::kBlockM)} * params.num_heads * params.batch;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(num_tiles, ctx.sm_count)));
   kernel<<<grid, Traits::kNThreads, kSmemBytes, ctx.stream>>>(args);
   return cudaGetLastError();
 }
