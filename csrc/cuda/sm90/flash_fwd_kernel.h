@@ -158,11 +158,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
-  // Persistent CTAs: CTA c runs tiles c, c + gridDim.x, ... of the sequence
-  // (query block fastest, then head, then batch), so the CTAs running at one
-  // time share heads and their K/V stay in L2. Under a band, later query
-  // blocks usually see more keys (causal): they come first in each head, and
-  // the stride spreads long and short blocks evenly over the CTAs.
+  // Persistent CTAs: CTA c runs tiles c, c + gridDim.x, ... of one static
+  // sequence of (query block, head, batch) tiles.
+  //   Unmasked: query block fastest, then head, then batch: the CTAs running
+  //     at one time share heads, so their K/V stay in L2.
+  //   Banded: tiles differ in length (causal: later query blocks see more
+  //     keys), so the sequence runs from the longest query block to the
+  //     shortest, (head, batch) fastest. Each round of gridDim.x tiles then
+  //     holds tiles of about one length and every CTA gets a similar total;
+  //     with query blocks fastest, CTA c would get only blocks of one parity
+  //     class of the stride, all long or all short (measured: 0.77x cuDNN at
+  //     seq 16k causal, against 1.0x for this order). The CTAs of one round
+  //     still share heads' K/V, read in step from the start of the sequence.
   const int num_m_blocks = ceil_div(params.seqlen_q, kBlockM);
   const int num_tiles = num_m_blocks * params.num_heads * params.batch;
   struct Tile {
@@ -172,10 +179,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
   auto tile_at = [&](int t) {
     Tile tile;
-    const int m_index = t % num_m_blocks;
-    tile.m_block = kBanded ? num_m_blocks - 1 - m_index : m_index;
-    tile.head = (t / num_m_blocks) % params.num_heads;
-    tile.batch = t / (num_m_blocks * params.num_heads);
+    if constexpr (kBanded) {
+      const int heads_batches = params.num_heads * params.batch;
+      tile.m_block = num_m_blocks - 1 - t / heads_batches;
+      tile.head = t % params.num_heads;
+      tile.batch = (t % heads_batches) / params.num_heads;
+    } else {
+      tile.m_block = t % num_m_blocks;
+      tile.head = (t / num_m_blocks) % params.num_heads;
+      tile.batch = t / (num_m_blocks * params.num_heads);
+    }
     tile.row_begin = tile.m_block * kBlockM;
     tile.row_end = min(tile.row_begin + kBlockM, params.seqlen_q);
     int key_begin = 0;

@@ -41,10 +41,11 @@ for step in $STEPS; do
     ncu)  # hardware counters for one launch of the Hopper forward (head dim 128, seq 16k)
       timeout 180 ncu --clock-control none --kernel-name regex:flash_fwd_sm90 --launch-count 1 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
-        --section SchedulerStats --section Occupancy \
+        --section SchedulerStats --metrics regex:smsp__pcsamp_warps_issue_stalled_.* \
         python3 -P csrc/cuda/tools/quick_bench.py --head-dims 128 --seqs 16384 --modes fwd \
-        --impls jflash --iterations 1 --repeats 1 > "$OUT/ncu.log" 2>&1
-      echo "ncu rc=$?"; grep -E "Duration|Throughput|Issue Slots|Stall|Warp Cycles|Eligible|Active Warps|Pipe" "$OUT/ncu.log" | head -40 ;;
+        --impls jflash --iterations 1 --repeats 1 --causal ${NCU_CAUSAL:-no} > "$OUT/ncu.log" 2>&1
+      echo "ncu rc=$?"; grep -E "Duration|Issue Slots|Eligible|Tensor|pcsamp" "$OUT/ncu.log" \
+        | grep -v " 0$" | head -40 ;;
     bench)
       timeout 240 python3 -P csrc/cuda/tools/quick_bench.py $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" ;;
   esac
