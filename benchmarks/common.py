@@ -204,11 +204,14 @@ def memory_stats(compiled):
 
 
 def jflash_commit():
-    """git HEAD of this checkout (+'-dirty'), else $JFLASH_COMMIT, else 'unknown'.
+    """$JFLASH_COMMIT if set, else git HEAD of this checkout (+'-dirty'), else 'unknown'.
 
-    The device machine receives a copy of the tree that may lack .git: pass
+    The device machine receives a copy of the tree whose .git may be missing or
+    stale (it once reported an older HEAD than the tree it ran): pass
     JFLASH_COMMIT=<sha> on the command line there.
     """
+    if os.environ.get("JFLASH_COMMIT"):
+        return os.environ["JFLASH_COMMIT"]
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -229,7 +232,7 @@ def jflash_commit():
             return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("JFLASH_COMMIT", "unknown")
+    return "unknown"
 
 
 def environment_record():
