@@ -212,35 +212,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
   }
 
-  // Epilogue: O /= rowsum, lse = ln(sum) + max (natural log); a row that saw no
-  // key has sum 0 and gets O = 0, lse = -inf.
+  // Epilogue: O /= rowsum, lse, O stored.
   Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
-  float* lse_ptr = params.lse + (int64_t(batch) * params.num_heads + head) * params.seqlen_q;
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    const float sum = quad_allreduce(row_sum[r], SumOp{});
-    const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv_sum;
-    const int row = row_begin + get<0>(tOcO_rc(r, 0));
-    if (tidx % 4 == 0 && row < params.seqlen_q) {
-      lse_ptr[row] = sum > 0.f ? row_max[r] * float(M_LN2) + logf(sum) : -INFINITY;
-    }
-  }
-  Tensor o = convert_fragment<Element>(acc_o);
-  Element* out_ptr = static_cast<Element*>(params.out) + batch * params.out_batch_stride +
-                     head * params.out_head_stride;
-  // Fragment elements 2i, 2i+1 are adjacent columns of one row: 4-byte stores.
-  CUTE_UNROLL
-  for (int i = 0; i < size(o); i += 2) {
-    const int row = row_begin + get<0>(tOcO(i));
-    if (row < params.seqlen_q) {
-      const int col = get<1>(tOcO(i));
-      Element* dst = out_ptr + row * params.out_row_stride + col;
-      *reinterpret_cast<uint32_t*>(dst) = pack_pair(o(i), o(i + 1));
-    }
-  }
+  store_output<Element>(
+      acc_o, o_rc, tOcO, tOcO_rc, row_max, row_sum, row_begin, params.seqlen_q, tidx % 4 == 0,
+      params.lse + (int64_t(batch) * params.num_heads + head) * params.seqlen_q,
+      static_cast<Element*>(params.out) + batch * params.out_batch_stride +
+          head * params.out_head_stride,
+      params.out_row_stride);
 }
 
 template <typename Element, int kHeadDim, bool kBanded>

@@ -526,34 +526,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       ++q_iter;
     }
 
-    // Epilogue: O /= rowsum, lse = ln(sum) + max (natural log); a row that saw no
-    // key has sum 0 and gets O = 0, lse = -inf.
-    float* lse_ptr =
-        params.lse + (int64_t(tile.batch) * params.num_heads + tile.head) * params.seqlen_q;
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      const float sum = quad_allreduce(row_sum[r], SumOp{});
-      const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv_sum;
-      const int row = row_begin + get<0>(cO_rc(r, 0));
-      if (tidx % 4 == 0 && row < params.seqlen_q) {
-        lse_ptr[row] = sum > 0.f ? row_max[r] * float(M_LN2) + logf(sum) : -INFINITY;
-      }
-    }
-    Tensor o = convert_fragment<Element>(acc_o);
-    Element* out_ptr = static_cast<Element*>(params.out) + tile.batch * params.out_batch_stride +
-                       tile.head * params.out_head_stride;
-    // Fragment elements 2i, 2i+1 are adjacent columns of one row: 4-byte stores.
-    CUTE_UNROLL
-    for (int i = 0; i < size(o); i += 2) {
-      const int row = row_begin + get<0>(cO(i));
-      if (row < params.seqlen_q) {
-        const int col = get<1>(cO(i));
-        Element* dst = out_ptr + int64_t(row) * params.out_row_stride + col;
-        *reinterpret_cast<uint32_t*>(dst) = pack_pair(o(i), o(i + 1));
-      }
-    }
+    // Epilogue: O /= rowsum, lse, O stored (from registers; the producer is
+    // already loading the next tile).
+    store_output<Element>(
+        acc_o, o_rc, cO, cO_rc, row_max, row_sum, row_begin, params.seqlen_q, tidx % 4 == 0,
+        params.lse + (int64_t(tile.batch) * params.num_heads + tile.head) * params.seqlen_q,
+        static_cast<Element*>(params.out) + tile.batch * params.out_batch_stride +
+            tile.head * params.out_head_stride,
+        params.out_row_stride);
   }  // tile loop
 }
 
