@@ -1,13 +1,16 @@
 // Hopper forward (sm90a): out, lse <- softmax(scale * Q K^T) V with TMA loads,
 // wgmma products and warp specialization. Persistent: one CTA per SM walks a
-// static sequence of (query block, head, batch) tiles.
+// static sequence of work units (one query block of a head, or under a band a
+// pair of them; the comment above kTilesPerUnit says why).
 //
 // Roles (warpgroups of 128 threads):
-//   warpgroup 0, the producer: one thread issues TMA copies: the Q tile once,
-//     then K and V tiles into a ring of kStages shared-memory buffers, each
-//     buffer guarded by a "full" mbarrier (TMA bytes landed) and an "empty"
-//     mbarrier (every consumer warp is done reading it). It gives most of its
-//     registers away (setmaxnreg).
+//   warpgroup 0, the producer: one thread issues TMA copies: each tile's Q
+//     (once its buffer is free again: the q_empty mbarrier), then K and V
+//     tiles into a ring of kStages shared-memory buffers that runs on across
+//     tiles, each buffer guarded by a "full" mbarrier (TMA bytes landed) and
+//     an "empty" mbarrier (every consumer warp is done reading it). It gives
+//     most of its registers away (setmaxnreg), and loads the next tile while
+//     the consumers finish the current one.
 //   warpgroups 1.., the consumers: 64 query rows each; per key tile
 //       S = Q K^T                 (wgmma, both operands in shared memory)
 //       online softmax of S       (registers; exp2 with the scale folded in)
@@ -16,9 +19,10 @@
 // Two overlaps keep the tensor cores busy while the (slower) exp unit works:
 //   intra-warpgroup: step j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1}
 //     together, then runs softmax(S_j) while the P V product is still running;
-//   ping-pong (kPingPong): a pair of named barriers lets the consumer
-//     warpgroups issue their products in turn, so one warpgroup's softmax runs
-//     under the other's products.
+//   ping-pong (kPingPong, two consumer warpgroups): a pair of named barriers
+//     lets the consumers issue their products in turn, so one warpgroup's
+//     softmax runs under the other's products. With three consumers (head dim
+//     64) the warp schedulers interleave them without it.
 //
 // Masking follows the same policy as the sm80 kernels (jflash/mask.h): the band
 // decides the key-tile range, and only tiles it cuts (or the sequence end) are
