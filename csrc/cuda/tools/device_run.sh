@@ -36,6 +36,8 @@ for step in $STEPS; do
           [ $rc -ne 139 ] && break
         done
       done ;;
+    ab)
+      bash csrc/cuda/tools/ab_bench.sh ;;
     sweep)
       bash csrc/cuda/tools/tile_sweep.sh ;;
     ncu)  # hardware counters for one launch of the Hopper forward (head dim 128, seq 16k)
@@ -46,6 +48,15 @@ for step in $STEPS; do
         --impls jflash --iterations 1 --repeats 1 --causal ${NCU_CAUSAL:-no} > "$OUT/ncu.log" 2>&1
       echo "ncu rc=$?"; grep -E "Duration|Issue Slots|Eligible|Tensor|pcsamp" "$OUT/ncu.log" \
         | grep -v " 0$" | head -40 ;;
+    ncu_bwd)  # hardware counters for one launch of the sm80 backward (head dim 128, seq 16k)
+      timeout 240 ncu --clock-control none --kernel-name regex:flash_bwd_kernel --launch-count 1 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+        --section SchedulerStats --section MemoryWorkloadAnalysis_Tables --section InstructionStats \
+        --metrics regex:smsp__pcsamp_warps_issue_stalled_.* \
+        python3 -P csrc/cuda/tools/quick_bench.py --head-dims 128 --seqs 16384 --modes fwdbwd \
+        --impls jflash --iterations 1 --repeats 1 --causal ${NCU_CAUSAL:-no} > "$OUT/ncu_bwd.log" 2>&1
+      echo "ncu rc=$?"; grep -E "Duration|Issue Slots|Eligible|Tensor|pcsamp|Bank|Shared" "$OUT/ncu_bwd.log" \
+        | grep -v " 0$" | head -60 ;;
     bench)
       timeout 240 python3 -P csrc/cuda/tools/quick_bench.py $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" ;;
   esac
