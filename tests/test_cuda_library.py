@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import jflash
-from jflash._src.ffi import cuda_forward_family
+from jflash._src.ffi import cuda_forward_family, cuda_kernel_smem_bytes
 
 
 def test_forward_family_answers():
@@ -29,3 +29,21 @@ def test_forward_family_answers():
 def test_forward_family_other_dtypes(dtype):
     """Only float16 and bfloat16 have CUDA kernels: other dtypes report none."""
     assert cuda_forward_family(dtype, 128, False) == 0
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_kernel_smem_query_answers(direction):
+    """Bytes with a GPU (0 if not built); -1 without a device; 0 for other dtypes."""
+    smem = cuda_kernel_smem_bytes(direction, jnp.bfloat16, 128, False)
+    if not jflash.HAS_CUDA_KERNELS:
+        assert smem == 0
+    elif jax.default_backend() == "gpu":
+        assert smem == 0 or 48 * 1024 < smem <= 227 * 1024
+    else:
+        assert smem == -1
+    assert cuda_kernel_smem_bytes(direction, jnp.float32, 128, False) == 0
+
+
+def test_kernel_smem_query_rejects_direction():
+    with pytest.raises(ValueError, match="direction"):
+        cuda_kernel_smem_bytes("sideways", jnp.bfloat16, 128, False)

@@ -9,7 +9,9 @@ without an instantiation must give.
 
 On a Hopper GPU the forward runs the TMA/wgmma kernel (csrc/cuda/sm90/) for the
 head dims it covers; the sm80 forward is checked there too, in a subprocess
-with JFLASH_CUDA_FORWARD=sm80 (the choice is read once per process).
+with JFLASH_CUDA_FORWARD=sm80 (the choice is read once per process). The
+small-shared-memory tiles of sm86/sm89 run in a subprocess with
+JFLASH_CUDA_SMEM_LIMIT=101376 (99 KB).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import pytest
 import jflash
 from checks import assert_within_rule
 from jflash._src.flash_attention import attention_band
-from jflash._src.ffi import cuda_forward_family
+from jflash._src.ffi import cuda_forward_family, cuda_kernel_smem_bytes
 from jflash.reference import attention_band as reference_band
 
 pytestmark = pytest.mark.skipif(
@@ -90,6 +92,11 @@ def _run(fn, q, k, v, g_out, g_lse):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_against_reference(rng, case, dtype):
+    _check_against_reference(rng, case, dtype)
+
+
+def _check_against_reference(rng, case, dtype):
+    """out, lse and the three gradients within the 2x rule; masked rows exact."""
     b, sq, sk, h, hkv, d, lo, hi = case
     if lo is None:
         lo, hi = -sq, sk
@@ -122,6 +129,77 @@ def test_against_reference(rng, case, dtype):
     out, lse, dq = (np.asarray(jnp.asarray(x, jnp.float32)) for x in (got[0], got[1], got[2]))
     assert np.all(out[:, ~seen] == 0) and np.all(dq[:, ~seen] == 0)
     assert np.all(np.isneginf(lse[:, :, ~seen])) and np.all(np.isfinite(lse[:, :, seen]))
+
+
+# GPUs with 99 KB of shared memory per block (sm86, sm89) run the kSmall column
+# of the tile table for these head dims (csrc/cuda/tile_sizes.h); here the
+# column is forced by JFLASH_CUDA_SMEM_LIMIT, in a subprocess (read once per
+# process). Block sizes there: backward 64 x 64 (96..160), 64 x 32 (192),
+# 32 x 32 on 4 warps (224, 256); forward 64 x 64 on 4 warps (224, 256).
+SMALL_SMEM_LIMIT = 99 * 1024
+SMALL_SMEM_CASES = [
+    (1, 130, 77, 4, 2, 96, None, None),  # GQA, odd lengths
+    (1, 100, 190, 2, 2, 128, -100, 90),  # bottom-right causal, seq_q < seq_k
+    (2, 65, 65, 2, 1, 160, -20, 3),  # MQA, band
+    (1, 97, 33, 2, 2, 192, None, None),  # one key past a 32-key tile
+    (1, 90, 70, 4, 4, 224, -90, -30),  # rows 0..29 see nothing
+    (1, 70, 129, 4, 2, 256, -70, 129 - 70),  # GQA, bottom-right causal
+    (1, 33, 31, 2, 2, 256, None, None),
+]
+
+
+@pytest.mark.skipif(
+    os.environ.get("JFLASH_CUDA_SMEM_LIMIT") != str(SMALL_SMEM_LIMIT),
+    reason="run by test_small_smem_tiles, in a subprocess with JFLASH_CUDA_SMEM_LIMIT set",
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", SMALL_SMEM_CASES, ids=_case_id)
+def test_small_smem_against_reference(rng, case, dtype):
+    d, banded = case[5], case[6] is not None
+    for direction in ("fwd", "bwd"):
+        smem = cuda_kernel_smem_bytes(direction, dtype, d, banded)
+        assert smem <= SMALL_SMEM_LIMIT, (direction, d, smem)
+    _check_against_reference(rng, case, dtype)
+
+
+def test_small_smem_tiles():
+    """The small-shared-memory tiles, forced on this GPU, against the reference."""
+    if os.environ.get("JFLASH_CUDA_SMEM_LIMIT"):
+        pytest.skip("already under a JFLASH_CUDA_SMEM_LIMIT")
+    # Without the cap, a Hopper GPU runs tiles that need more than 99 KB for
+    # these head dims (so the subprocess below really runs other kernels).
+    if _is_hopper():
+        for d in (96, 128, 160, 192, 224, 256):
+            smem = cuda_kernel_smem_bytes("bwd", jnp.bfloat16, d, False)
+            assert smem == 0 or smem > SMALL_SMEM_LIMIT, (d, smem)
+    env = dict(os.environ, JFLASH_CUDA_SMEM_LIMIT=str(SMALL_SMEM_LIMIT))
+    result = subprocess.run(
+        [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+         str(pathlib.Path(__file__).resolve()), "-k", "test_small_smem_against_reference"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout, result.stdout[-2000:]
+
+
+def test_smem_limit_setting_is_checked():
+    """A malformed JFLASH_CUDA_SMEM_LIMIT is an error, not silently ignored."""
+    env = dict(os.environ, JFLASH_CUDA_SMEM_LIMIT="99KB")
+    code = (
+        "import jax.numpy as jnp, jflash\n"
+        "from jflash._src.ffi import cuda_kernel_smem_bytes\n"
+        "assert cuda_kernel_smem_bytes('fwd', jnp.bfloat16, 128, False) == -1\n"
+        "q = jnp.ones((1, 8, 1, 128), jnp.bfloat16)\n"
+        "try:\n"
+        "    jflash.flash_attention(q, q, q).block_until_ready()\n"
+        "except Exception as e:\n"
+        "    assert 'JFLASH_CUDA_SMEM_LIMIT' in str(e), e\n"
+        "    print('rejected')\n"
+    )
+    result = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "rejected" in result.stdout
 
 
 def test_repeatable(rng):
@@ -157,7 +235,7 @@ import sys
 sys.path.insert(0, {tests_dir!r})
 import jax, jax.numpy as jnp, numpy as np
 from checks import assert_within_rule
-from jflash._src.ffi import cuda_forward_family
+from jflash._src.ffi import cuda_forward_family, cuda_kernel_smem_bytes
 from jflash._src.flash_attention import attention_band
 from jflash.reference import attention_band as reference_band
 

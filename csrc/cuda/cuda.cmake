@@ -4,10 +4,11 @@
 # JFLASH_CUDA_ARCHS   semicolon list of GPU targets, SASS embedded for each:
 #                     "80" (sm80; also runs on sm86/sm89) and "90a" (Hopper).
 # JFLASH_CUDA_SUBSET  which kernel instantiations (csrc/cuda/instantiations/) to compile:
-#                     all  every (direction, dtype, head dim, mask): 64 files, plus
-#                          12 of the Hopper forward when 90a is a target;
+#                     all  every (direction, dtype, head dim, mask): 64 files, 32
+#                          of the 99 KB tile column (flash_*_small_*), and 12 of
+#                          the Hopper forward when 90a is a target;
 #                     ci   bfloat16, head dim 128, both masks, both directions: 4 files,
-#                          plus the 2 Hopper forward files;
+#                          the 2 of the 99 KB backward, the 2 Hopper forward files;
 #                     otherwise a comma (or semicolon) list of name fragments, and an
 #                     instantiation is compiled when its file name contains one
 #                     (e.g. "bf16_hdim64,fp16_hdim128_full").

@@ -396,9 +396,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
 }
 
-template <typename Element, int kHeadDim, bool kBanded>
+template <typename Element, int kHeadDim, bool kBanded, SmemClass kSmem = SmemClass::kLarge>
 cudaError_t run_flash_bwd(const BwdParams& params, const LaunchContext& ctx) {
-  using Traits = BwdTraits<Element, kHeadDim>;
+  using Traits = BwdTraits<Element, kHeadDim, kSmem>;
   const int64_t rows = int64_t{params.batch} * params.num_heads * params.seqlen_q;
   // Grid-stride kernels: a few waves of CTAs are enough to saturate bandwidth.
   const int small_grid = ctx.sm_count * 8;

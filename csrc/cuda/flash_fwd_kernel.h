@@ -223,9 +223,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       params.out_row_stride);
 }
 
-template <typename Element, int kHeadDim, bool kBanded>
+template <typename Element, int kHeadDim, bool kBanded, SmemClass kSmem = SmemClass::kLarge>
 cudaError_t run_flash_fwd(const FwdParams& params, const LaunchContext& ctx) {
-  using Traits = FwdTraits<Element, kHeadDim>;
+  using Traits = FwdTraits<Element, kHeadDim, kSmem>;
   auto kernel = &flash_fwd_kernel<Traits, kBanded>;
   constexpr int kSmemBytes = Traits::kSmemBytes;
   if constexpr (kSmemBytes > 48 * 1024) {

@@ -36,6 +36,28 @@ DIRECTIONS = {
         "              BwdTraits<Element, {head_dim}>::kSmemBytes}})",
         HEAD_DIMS,
     ),
+    # The sm80 kernels' small-shared-memory column (tile_sizes.h, SmemClass::
+    # kSmall) for GPUs with 99 KB per block (sm86, sm89, sm120), only for the
+    # head dims whose kLarge tile needs more; the static_assert keeps this list
+    # and the tile table in step.
+    "fwd_small": (
+        "cuda/flash_fwd_kernel.h",
+        "register_fwd_kernel(DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},\n"
+        "    FwdKernel{{&run_flash_fwd<Element, {head_dim}, {banded}, SmemClass::kSmall>,\n"
+        "              FwdTraits<Element, {head_dim}, SmemClass::kSmall>::kSmemBytes}},\n"
+        "    SmemClass::kSmall);\n"
+        "static_assert(has_small_fwd_tile({head_dim}))",
+        (224, 256),
+    ),
+    "bwd_small": (
+        "cuda/flash_bwd_kernel.h",
+        "register_bwd_kernel(DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},\n"
+        "    BwdKernel{{&run_flash_bwd<Element, {head_dim}, {banded}, SmemClass::kSmall>,\n"
+        "              BwdTraits<Element, {head_dim}, SmemClass::kSmall>::kSmemBytes}},\n"
+        "    SmemClass::kSmall);\n"
+        "static_assert(has_small_bwd_tile({head_dim}))",
+        (96, 128, 160, 192, 224, 256),
+    ),
     # The Hopper forward (sm90a only; cuda.cmake compiles these files for 90a
     # alone). Other head dims run the sm80 forward on Hopper too.
     "fwd_sm90": (

@@ -54,16 +54,18 @@ struct BaseTraits {
                                GmemLayoutAtom{}, Layout<Shape<_1, _8>>{}));
 };
 
-template <typename Element_, int kHeadDim_>
+// kSmem picks the column of the tile table (tile_sizes.h).
+template <typename Element_, int kHeadDim_, SmemClass kSmem = SmemClass::kLarge>
 struct FwdTraits
-    : BaseTraits<Element_, kHeadDim_, fwd_tile(kHeadDim_).num_warps * 32> {
-  using Base = BaseTraits<Element_, kHeadDim_, fwd_tile(kHeadDim_).num_warps * 32>;
+    : BaseTraits<Element_, kHeadDim_, fwd_tile(kHeadDim_, kSmem).num_warps * 32> {
+  using Base = BaseTraits<Element_, kHeadDim_, fwd_tile(kHeadDim_, kSmem).num_warps * 32>;
   using typename Base::Element;
   using typename Base::SmemLayoutAtom;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = fwd_tile(kHeadDim).block_m;
-  static constexpr int kBlockN = fwd_tile(kHeadDim).block_n;
-  static constexpr int kNWarps = fwd_tile(kHeadDim).num_warps;
+  static constexpr FwdTile kTile = fwd_tile(kHeadDim, kSmem);
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kNWarps = kTile.num_warps;
   static constexpr int kNThreads = kNWarps * 32;
 
   // Warps stack along M: each warp owns whole query rows, so the softmax row
@@ -82,36 +84,45 @@ struct FwdTraits
 
   static constexpr int kSmemBytes =
       (size(SmemLayoutQ{}) + 2 * size(SmemLayoutKV{})) * int(sizeof(Element));
+  static_assert(kSmemBytes == fwd_smem_bytes(kTile, kHeadDim));
+  static_assert(kSmem == SmemClass::kLarge || kSmemBytes <= kSmallSmemBytes);
 };
 
-template <typename Element_, int kHeadDim_>
+template <typename Element_, int kHeadDim_, SmemClass kSmem = SmemClass::kLarge>
 struct BwdTraits
-    : BaseTraits<Element_, kHeadDim_, bwd_tile(kHeadDim_).num_warps * 32> {
-  using Base = BaseTraits<Element_, kHeadDim_, bwd_tile(kHeadDim_).num_warps * 32>;
+    : BaseTraits<Element_, kHeadDim_, bwd_tile(kHeadDim_, kSmem).num_warps * 32> {
+  using Base = BaseTraits<Element_, kHeadDim_, bwd_tile(kHeadDim_, kSmem).num_warps * 32>;
   using typename Base::Element;
   using typename Base::SmemLayoutAtom;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = bwd_tile(kHeadDim).block_m;
-  static constexpr int kBlockN = bwd_tile(kHeadDim).block_n;
-  static constexpr int kNWarps = bwd_tile(kHeadDim).num_warps;
+  static constexpr BwdTile kTile = bwd_tile(kHeadDim, kSmem);
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kNWarps = kTile.num_warps;
   static constexpr int kNThreads = kNWarps * 32;
-  static constexpr int kQStages = bwd_tile(kHeadDim).q_stages;
-  static_assert(kNWarps == 8 && kBlockM == 64, "the warp layouts below assume 8 warps, block_m 64");
+  static constexpr int kQStages = kTile.q_stages;
 
-  // S = Q K^T and dP = dO V^T: (block_m x block_n), warps 2 (M) x 4 (N).
-  using TiledMmaSdP = TiledMMA<MmaAtom16816<Element>, Layout<Shape<_2, _4, _1>>,
-                               Tile<Int<16 * 2>, Int<16 * 4>, _16>>;
-  // dK += dS^T Q and dV += P^T dO: (block_n x head_dim), warps 4 (N) x 2 (D).
-  using TiledMmadKV = TiledMMA<MmaAtom16816<Element>, Layout<Shape<_4, _2, _1>>,
-                               Tile<Int<16 * 4>, Int<16 * 2>, _16>>;
-  // dQ = dS K: (block_m x head_dim). Warps 2 (M) x 4 (D) give each warp a
-  // 32 x 32 tile (256 B of smem per MMA, against 320 for 16 x 64) but need
-  // head_dim % 64 == 0; other head dims use 4 (M) x 2 (D).
-  static constexpr int kdQWarpsM = kHeadDim % 64 == 0 ? 2 : 4;
-  static constexpr int kdQWarpsN = kNWarps / kdQWarpsM;
+  // The three products' warp grids (tile_sizes.h); each warp repeat is 16 x 16
+  // (two m16n8 atoms side by side, so a B fragment is one ldmatrix.x4).
+  static constexpr int kSdPWarpsM = kTile.sdp_warps_m, kSdPWarpsN = kNWarps / kSdPWarpsM;
+  static constexpr int kdKVWarpsN = kTile.dkv_warps_n, kdKVWarpsD = kNWarps / kdKVWarpsN;
+  static constexpr int kdQWarpsM = kTile.dq_warps_m, kdQWarpsD = kNWarps / kdQWarpsM;
+  static_assert(kBlockM % (16 * kSdPWarpsM) == 0 && kBlockN % (16 * kSdPWarpsN) == 0);
+  static_assert(kBlockN % (16 * kdKVWarpsN) == 0 && kHeadDim % (16 * kdKVWarpsD) == 0);
+  static_assert(kBlockM % (16 * kdQWarpsM) == 0 && kHeadDim % (16 * kdQWarpsD) == 0);
+
+  // S = Q K^T and dP = dO V^T: (block_m x block_n).
+  using TiledMmaSdP =
+      TiledMMA<MmaAtom16816<Element>, Layout<Shape<Int<kSdPWarpsM>, Int<kSdPWarpsN>, _1>>,
+               Tile<Int<16 * kSdPWarpsM>, Int<16 * kSdPWarpsN>, _16>>;
+  // dK += dS^T Q and dV += P^T dO: (block_n x head_dim).
+  using TiledMmadKV =
+      TiledMMA<MmaAtom16816<Element>, Layout<Shape<Int<kdKVWarpsN>, Int<kdKVWarpsD>, _1>>,
+               Tile<Int<16 * kdKVWarpsN>, Int<16 * kdKVWarpsD>, _16>>;
+  // dQ = dS K: (block_m x head_dim).
   using TiledMmadQ =
-      TiledMMA<MmaAtom16816<Element>, Layout<Shape<Int<kdQWarpsM>, Int<kdQWarpsN>, _1>>,
-               Tile<Int<16 * kdQWarpsM>, Int<16 * kdQWarpsN>, _16>>;
+      TiledMMA<MmaAtom16816<Element>, Layout<Shape<Int<kdQWarpsM>, Int<kdQWarpsD>, _1>>,
+               Tile<Int<16 * kdQWarpsM>, Int<16 * kdQWarpsD>, _16>>;
 
   using SmemLayoutQ =
       decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
@@ -143,6 +154,8 @@ struct BwdTraits
       (2 * kQStages * size(SmemLayoutQ{}) + 2 * size(SmemLayoutKV{}) +
        2 * size(SmemLayoutPdS{})) *
       int(sizeof(Element));
+  static_assert(kSmemBytes == bwd_smem_bytes(kTile, kHeadDim));
+  static_assert(kSmem == SmemClass::kLarge || kSmemBytes <= kSmallSmemBytes);
 };
 
 }  // namespace jflash::cuda

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "cuda/tile_sizes.h"
 #include "jflash/params.h"
 
 namespace jflash::cuda {
@@ -38,9 +39,13 @@ struct BwdKernel {
 };
 
 // Registry slots; head_dim is one of 32, 64, ..., 256. Return nullptr-launch
-// entries for instantiations that were not compiled.
-FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, bool banded);
-BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, bool banded);
+// entries for instantiations that were not compiled. SmemClass::kSmall slots
+// hold the sm80 kernels of the small-shared-memory tile column (tile_sizes.h),
+// filled only for head dims whose kLarge tile needs more than 99 KB.
+FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, bool banded,
+                           SmemClass smem = SmemClass::kLarge);
+BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, bool banded,
+                           SmemClass smem = SmemClass::kLarge);
 
 // The Hopper forward (csrc/cuda/sm90/), chosen on compute capability 9.0.
 FwdKernel& sm90_fwd_kernel_slot(DType dtype, int head_dim, bool banded);
@@ -62,12 +67,14 @@ inline bool register_sm90_fwd_kernel(DType dtype, int head_dim, bool banded, Fwd
   return true;
 }
 
-inline bool register_fwd_kernel(DType dtype, int head_dim, bool banded, FwdKernel kernel) {
-  fwd_kernel_slot(dtype, head_dim, banded) = kernel;
+inline bool register_fwd_kernel(DType dtype, int head_dim, bool banded, FwdKernel kernel,
+                                SmemClass smem = SmemClass::kLarge) {
+  fwd_kernel_slot(dtype, head_dim, banded, smem) = kernel;
   return true;
 }
-inline bool register_bwd_kernel(DType dtype, int head_dim, bool banded, BwdKernel kernel) {
-  bwd_kernel_slot(dtype, head_dim, banded) = kernel;
+inline bool register_bwd_kernel(DType dtype, int head_dim, bool banded, BwdKernel kernel,
+                                SmemClass smem = SmemClass::kLarge) {
+  bwd_kernel_slot(dtype, head_dim, banded, smem) = kernel;
   return true;
 }
 

@@ -15,9 +15,10 @@ int slot_index(DType dtype, int head_dim, bool banded) {
 
 }  // namespace
 
-FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, bool banded) {
-  static FwdKernel table[2 * kNumHeadDims * 2];
-  return table[slot_index(dtype, head_dim, banded)];
+FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, bool banded, SmemClass smem) {
+  static FwdKernel large[2 * kNumHeadDims * 2];
+  static FwdKernel small[2 * kNumHeadDims * 2];
+  return (smem == SmemClass::kSmall ? small : large)[slot_index(dtype, head_dim, banded)];
 }
 
 FwdKernel& sm90_fwd_kernel_slot(DType dtype, int head_dim, bool banded) {
@@ -25,9 +26,10 @@ FwdKernel& sm90_fwd_kernel_slot(DType dtype, int head_dim, bool banded) {
   return table[slot_index(dtype, head_dim, banded)];
 }
 
-BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, bool banded) {
-  static BwdKernel table[2 * kNumHeadDims * 2];
-  return table[slot_index(dtype, head_dim, banded)];
+BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, bool banded, SmemClass smem) {
+  static BwdKernel large[2 * kNumHeadDims * 2];
+  static BwdKernel small[2 * kNumHeadDims * 2];
+  return (smem == SmemClass::kSmall ? small : large)[slot_index(dtype, head_dim, banded)];
 }
 
 }  // namespace jflash::cuda

@@ -5,25 +5,50 @@
 // change of one line here, with its reason and measurement beside it
 // (csrc/cuda/NOTES.md holds the measurements).
 //
-// Budgets that bound every entry (sm80 and sm90; sm86/sm89 allow only 99 KB of
-// shared memory per block, and the handlers refuse, with an ffi::Error, the
-// entries below that need more: forward head dim >= 224, backward >= 96):
+// Budgets that bound every entry:
 //   registers: 255 per thread. The forward keeps an output accumulator of
 //     block_m * head_dim / threads floats per thread; the backward keeps dK and
 //     dV accumulators of 2 * block_n * head_dim / threads floats.
-//   shared memory: 163 KB per block on sm80, 227 KB on sm90.
+//   shared memory per block: 163 KB on sm80 and sm87, 227 KB on sm90, but
+//     99 KB (101376 bytes) on sm86, sm89 and sm120. Hence two columns of the
+//     sm80-kernel table (SmemClass): kLarge, for GPUs with >= 163 KB, and
+//     kSmall, for 99 KB. A head dim whose kLarge tile fits in 99 KB has the
+//     same kSmall entry and no second instantiation; the others get a
+//     "small" instantiation (generate_kernels.py), which the handlers pick
+//     when the device's limit is below the kLarge kernel's need.
 #pragma once
 
 namespace jflash::cuda {
+
+enum class SmemClass { kLarge, kSmall };
+
+// The per-block shared memory of the kSmall column (sm86 / sm89 opt-in limit).
+constexpr int kSmallSmemBytes = 99 * 1024;
 
 struct FwdTile {
   int block_m;    // query rows per CTA
   int block_n;    // key rows per main-loop step
   int num_warps;  // warps split block_m; each owns block_m / num_warps query rows
+
+  constexpr bool operator==(const FwdTile& o) const {
+    return block_m == o.block_m && block_n == o.block_n && num_warps == o.num_warps;
+  }
 };
 
-// smem = (block_m + 2 * block_n) * head_dim * 2 bytes (Q, one K and one V tile).
-constexpr FwdTile fwd_tile(int head_dim) {
+// smem = (block_m + 2 * block_n) * head_dim * 2 bytes (Q, one K and one V tile;
+// fwd_smem_bytes below).
+constexpr FwdTile fwd_tile(int head_dim, SmemClass smem = SmemClass::kLarge) {
+  if (smem == SmemClass::kSmall) {
+    switch (head_dim) {
+      // 128 + 2 * 64 rows would need 112 / 128 KB: 64 query rows and 4 warps
+      // (the output accumulator stays at head_dim / 2 floats per thread); 84 /
+      // 96 KB. At head dim 256 this tile measured 308 TFLOP/s against 314 for
+      // the kLarge 128x64x8 (H200, seq 16k).
+      case 224: return {64, 64, 4};
+      case 256: return {64, 64, 4};
+      default: break;  // the kLarge entry fits
+    }
+  }
   switch (head_dim) {
     // Head dim 32: wide key tiles amortize the softmax over more MMAs; the
     // output accumulator is only 32 floats per thread.
@@ -51,34 +76,84 @@ constexpr FwdTile fwd_tile(int head_dim) {
 struct BwdTile {
   int block_m;     // query rows per inner-loop step
   int block_n;     // key rows per CTA (dK, dV accumulated in registers)
-  int num_warps;   // 8: the three MMA shapes of kernel_traits.h tile evenly on 8
+  int num_warps;
   int q_stages;    // smem buffers for the Q and dO tiles: 2 = next step's tiles
                    // load during this step (the CTA is alone on its SM, so
                    // nothing else hides the load latency)
+  // Warp grids of the three products, as warps along their first mode (the
+  // other num_warps / w go along the second; each warp repeat covers 16 x 16):
+  //   S, dP (block_m x block_n), dK, dV (block_n x head_dim), dQ (block_m x head_dim).
+  // A warp tile of m x n with k = 16 reads (m + n) * 32 bytes of smem per
+  // m * n / 128 MMAs: square warp tiles read the least.
+  int sdp_warps_m;
+  int dkv_warps_n;
+  int dq_warps_m;
+
+  constexpr bool operator==(const BwdTile& o) const {
+    return block_m == o.block_m && block_n == o.block_n && num_warps == o.num_warps &&
+           q_stages == o.q_stages && sdp_warps_m == o.sdp_warps_m &&
+           dkv_warps_n == o.dkv_warps_n && dq_warps_m == o.dq_warps_m;
+  }
 };
 
 // smem = (2 * block_n + 2 * q_stages * block_m) * head_dim * 2
 //        + 2 * block_m * block_n * 2 bytes
 // (K, V, Q and dO tiles, then P and dS as half-precision operands of the dV, dK
-// and dQ products).
-constexpr BwdTile bwd_tile(int head_dim) {
+// and dQ products; bwd_smem_bytes below).
+constexpr BwdTile bwd_tile(int head_dim, SmemClass smem = SmemClass::kLarge) {
+  if (smem == SmemClass::kSmall) {
+    switch (head_dim) {
+      // 64 keys per CTA (two Q/dO stages: 88 KB; one stage from head dim 128 on:
+      // 80 / 96 KB).
+      case 96: return {64, 64, 8, 2, 2, 4, 4};
+      case 128: return {64, 64, 8, 1, 2, 4, 2};
+      case 160: return {64, 64, 8, 1, 2, 4, 4};
+      // 32 keys per CTA: 80 KB. S/dP warps 4 x 2 (block_n is 32), dK/dV 2 x 4.
+      case 192: return {64, 32, 8, 1, 4, 2, 2};
+      // 64 x 32 would need 92 / 104 KB; 32 x 32 on 4 warps: 60 / 68 KB, dK and
+      // dV 112 / 128 floats per thread.
+      case 224: return {32, 32, 4, 1, 2, 2, 2};
+      case 256: return {32, 32, 4, 1, 2, 2, 2};
+      default: break;  // the kLarge entry fits
+    }
+  }
   switch (head_dim) {
     // 128 keys per CTA halve the passes over Q and dO relative to 64; dK + dV
     // accumulators are head_dim floats per thread (<= 128). Two Q/dO stages:
-    // 160 KB at head dim 128.
-    case 32: return {64, 128, 8, 2};
-    case 64: return {64, 128, 8, 2};
-    case 96: return {64, 128, 8, 2};
-    case 128: return {64, 128, 8, 2};
+    // 160 KB at head dim 128. Warps: S/dP 2 x 4 (32 x 32 each), dK/dV 4 x 2;
+    // dQ 2 x 4 (32 x 32 each) where head_dim % 64 == 0, else 4 x 2 (2 x 4
+    // has each warp read a quarter of K^T per step, 4 x 2 half; NOTES.md, v3).
+    case 32: return {64, 128, 8, 2, 2, 4, 4};
+    case 64: return {64, 128, 8, 2, 2, 4, 2};
+    case 96: return {64, 128, 8, 2, 2, 4, 4};
+    case 128: return {64, 128, 8, 2, 2, 4, 2};
     // Larger head dims: 128 keys would need > 128 dK/dV floats per thread; 64
     // keys keep registers in budget. Two stages fit sm80's 163 KB up to head
     // dim 192 (160 KB); 224 and 256 single-buffer Q/dO (128 / 144 KB).
-    case 160: return {64, 64, 8, 2};
-    case 192: return {64, 64, 8, 2};
-    case 224: return {64, 64, 8, 1};
-    case 256: return {64, 64, 8, 1};
-    default: return {0, 0, 0, 0};
+    case 160: return {64, 64, 8, 2, 2, 4, 4};
+    case 192: return {64, 64, 8, 2, 2, 4, 2};
+    case 224: return {64, 64, 8, 1, 2, 4, 4};
+    case 256: return {64, 64, 8, 1, 2, 4, 2};
+    default: return {0, 0, 0, 0, 0, 0, 0};
   }
+}
+
+// Dynamic shared memory of the sm80 kernels for a tile, in bytes (16-bit
+// elements; kernel_traits.h asserts that its layouts add up to the same).
+constexpr int fwd_smem_bytes(const FwdTile& t, int head_dim) {
+  return (t.block_m + 2 * t.block_n) * head_dim * 2;
+}
+constexpr int bwd_smem_bytes(const BwdTile& t, int head_dim) {
+  return (2 * t.block_n + 2 * t.q_stages * t.block_m) * head_dim * 2 +
+         2 * t.block_m * t.block_n * 2;
+}
+
+// Whether a head dim has a distinct kSmall tile (and so a "small" instantiation).
+constexpr bool has_small_fwd_tile(int head_dim) {
+  return !(fwd_tile(head_dim, SmemClass::kSmall) == fwd_tile(head_dim));
+}
+constexpr bool has_small_bwd_tile(int head_dim) {
+  return !(bwd_tile(head_dim, SmemClass::kSmall) == bwd_tile(head_dim));
 }
 
 // Hopper forward (csrc/cuda/sm90/): TMA + wgmma, one producer warpgroup and

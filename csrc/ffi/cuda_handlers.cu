@@ -7,6 +7,7 @@
 // they may be captured into CUDA graphs (kCmdBufferCompatible).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -70,6 +71,43 @@ ForwardChoice forward_choice() {
   return choice;
 }
 
+// JFLASH_CUDA_SMEM_LIMIT (bytes) lowers the per-block shared memory the
+// kernels may use below the device's own limit, so that the small-shared-
+// memory tiles of sm86 / sm89 (tile_sizes.h, SmemClass::kSmall) can be tested
+// and timed on larger GPUs. Read once per process; 0 = unset, -1 = invalid.
+int smem_limit_override() {
+  static const int limit = [] {
+    const char* env = std::getenv("JFLASH_CUDA_SMEM_LIMIT");
+    if (env == nullptr || *env == '\0') return 0;
+    char* end = nullptr;
+    const long value = std::strtol(env, &end, 10);
+    return (*end == '\0' && value > 0 && value <= (1 << 30)) ? static_cast<int>(value) : -1;
+  }();
+  return limit;
+}
+
+// The shared memory per block that kernels may use on this device.
+int smem_limit(const DeviceInfo& info) {
+  const int cap = smem_limit_override();
+  return cap > 0 ? std::min(cap, info.max_smem_per_block) : info.max_smem_per_block;
+}
+
+// Errors of the process-wide settings (environment variables), checked on
+// every call so that a typo is reported, never silently ignored.
+ffi::Error CheckSettings(ForwardChoice choice) {
+  if (choice == ForwardChoice::kInvalid) {
+    return ffi::Error::InvalidArgument(
+        "jflash: JFLASH_CUDA_FORWARD must be 'auto' or 'sm80' (got '" +
+        std::string(std::getenv("JFLASH_CUDA_FORWARD")) + "')");
+  }
+  if (smem_limit_override() < 0) {
+    return ffi::Error::InvalidArgument(
+        "jflash: JFLASH_CUDA_SMEM_LIMIT must be a positive number of bytes (got '" +
+        std::string(std::getenv("JFLASH_CUDA_SMEM_LIMIT")) + "')");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::ErrorOr<const DeviceInfo*> current_device_info() {
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) {
@@ -94,21 +132,41 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
 
 const char* DTypeName(DType dtype) { return dtype == DType::kFloat16 ? "float16" : "bfloat16"; }
 
+bool KernelHeadDim(DType dtype, int head_dim) {
+  return dtype != DType::kFloat32 && head_dim % 32 == 0 && head_dim >= 32 && head_dim <= 256;
+}
+
+// The column of the sm80 tile table for this device: kSmall where the kLarge
+// tile of the head dim needs more shared memory than the device allows.
+cuda::SmemClass Sm80Column(int large_tile_smem, bool has_small_tile, const DeviceInfo& info) {
+  return has_small_tile && large_tile_smem > smem_limit(info) ? cuda::SmemClass::kSmall
+                                                               : cuda::SmemClass::kLarge;
+}
+
 // The forward kernel for a call: on compute capability 9.0 the Hopper kernel
-// where it was built for this (dtype, head dim, mask) and takes the call
-// (params == nullptr: assume it does), else the sm80 kernel, which computes
-// the same result everywhere. launch == nullptr when neither was built.
+// where it was built for this (dtype, head dim, mask), fits the shared-memory
+// limit and takes the call (params == nullptr: assume it does), else the sm80
+// kernel of the device's tile column, which computes the same result
+// everywhere. launch == nullptr when the kernel it needs was not built.
 cuda::FwdKernel SelectForward(const DeviceInfo& info, ForwardChoice choice, DType dtype,
                               int head_dim, bool banded, const FwdParams* params) {
-  if (dtype == DType::kFloat32 || head_dim % 32 != 0 || head_dim < 32 || head_dim > 256) {
-    return {};
-  }
+  if (!KernelHeadDim(dtype, head_dim)) return {};
   const cuda::FwdKernel& hopper = cuda::sm90_fwd_kernel_slot(dtype, head_dim, banded);
   if (info.is_sm90 && choice == ForwardChoice::kAuto && hopper.launch != nullptr &&
+      hopper.smem_bytes <= smem_limit(info) &&
       (params == nullptr || hopper.accepts == nullptr || hopper.accepts(*params))) {
     return hopper;
   }
-  return cuda::fwd_kernel_slot(dtype, head_dim, banded);
+  const auto column = Sm80Column(cuda::fwd_smem_bytes(cuda::fwd_tile(head_dim), head_dim),
+                                 cuda::has_small_fwd_tile(head_dim), info);
+  return cuda::fwd_kernel_slot(dtype, head_dim, banded, column);
+}
+
+cuda::BwdKernel SelectBackward(const DeviceInfo& info, DType dtype, int head_dim, bool banded) {
+  if (!KernelHeadDim(dtype, head_dim)) return {};
+  const auto column = Sm80Column(cuda::bwd_smem_bytes(cuda::bwd_tile(head_dim), head_dim),
+                                 cuda::has_small_bwd_tile(head_dim), info);
+  return cuda::bwd_kernel_slot(dtype, head_dim, banded, column);
 }
 
 // Checks what the CUDA kernels support beyond FillFwdParams' ABI checks and
@@ -142,12 +200,13 @@ ffi::ErrorOr<cuda::LaunchContext> Prepare(const FwdParams& params, cudaStream_t 
         (banded ? "banded" : "unmasked") + " attention: it was built with JFLASH_CUDA_SUBSET=" +
         JFLASH_CUDA_SUBSET + "; rebuild with JFLASH_CUDA_SUBSET=all");
   }
-  if (smem_bytes > info.max_smem_per_block) {
+  if (smem_bytes > smem_limit(info)) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       std::string("jflash: the CUDA ") + direction + " kernel for head_dim " +
                           std::to_string(params.head_dim) + " needs " + std::to_string(smem_bytes) +
                           " bytes of shared memory per block; this GPU allows " +
-                          std::to_string(info.max_smem_per_block));
+                          std::to_string(smem_limit(info)) +
+                          (smem_limit_override() > 0 ? " (JFLASH_CUDA_SMEM_LIMIT)" : ""));
   }
   return cuda::LaunchContext{stream, info.sm_count};
 }
@@ -167,11 +226,7 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   auto info = current_device_info();
   if (info.has_error()) return info.error();
   const ForwardChoice choice = forward_choice();
-  if (choice == ForwardChoice::kInvalid) {
-    return ffi::Error::InvalidArgument(
-        "jflash: JFLASH_CUDA_FORWARD must be 'auto' or 'sm80' (got '" +
-        std::string(std::getenv("JFLASH_CUDA_FORWARD")) + "')");
-  }
+  if (auto err = CheckSettings(choice); err.failure()) return err;
   const bool banded = !params.mask.is_full(params.seqlen_q, params.seqlen_k);
   const cuda::FwdKernel kernel =
       SelectForward(**info, choice, params.dtype, params.head_dim, banded, &params);
@@ -200,11 +255,9 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   // seqlen_q == 0 still launches: dK and dV must be written (as zeros).
   auto info = current_device_info();
   if (info.has_error()) return info.error();
-  cuda::BwdKernel kernel;
+  if (auto err = CheckSettings(forward_choice()); err.failure()) return err;
   const bool banded = !params.mask.is_full(params.seqlen_q, params.seqlen_k);
-  if (params.dtype != DType::kFloat32 && params.head_dim % 32 == 0) {
-    kernel = cuda::bwd_kernel_slot(params.dtype, params.head_dim, banded);
-  }
+  const cuda::BwdKernel kernel = SelectBackward(**info, params.dtype, params.head_dim, banded);
   auto ctx = Prepare(params, stream, **info, banded, kernel.smem_bytes, kernel.launch != nullptr,
                      "backward");
   if (ctx.has_error()) return ctx.error();
@@ -226,7 +279,7 @@ extern "C" __attribute__((visibility("default"))) int jflash_cuda_forward_family
                                                                                 int banded) {
   auto info = jflash::current_device_info();
   const jflash::ForwardChoice choice = jflash::forward_choice();
-  if (info.has_error() || choice == jflash::ForwardChoice::kInvalid) return -1;
+  if (info.has_error() || jflash::CheckSettings(choice).failure()) return -1;
   const auto kernel = jflash::SelectForward(**info, choice, static_cast<jflash::DType>(dtype),
                                             head_dim, banded != 0, nullptr);
   if (kernel.launch == nullptr) return 0;
@@ -235,6 +288,23 @@ extern "C" __attribute__((visibility("default"))) int jflash_cuda_forward_family
                                   .launch
              ? 90
              : 80;
+}
+
+// The dynamic shared memory per block of the kernel a call would run on the
+// current device (jflash/_src/ffi.py: cuda_kernel_smem_bytes): direction 0
+// forward, 1 backward; 0 when that kernel was not built, -1 as above.
+extern "C" __attribute__((visibility("default"))) int jflash_cuda_kernel_smem_bytes(
+    int direction, int dtype, int head_dim, int banded) {
+  auto info = jflash::current_device_info();
+  const jflash::ForwardChoice choice = jflash::forward_choice();
+  if (info.has_error() || jflash::CheckSettings(choice).failure()) return -1;
+  const auto d = static_cast<jflash::DType>(dtype);
+  if (direction == 0) {
+    const auto kernel = jflash::SelectForward(**info, choice, d, head_dim, banded != 0, nullptr);
+    return kernel.launch == nullptr ? 0 : kernel.smem_bytes;
+  }
+  const auto kernel = jflash::SelectBackward(**info, d, head_dim, banded != 0);
+  return kernel.launch == nullptr ? 0 : kernel.smem_bytes;
 }
 
 // The library is built with hidden visibility; export the two handler symbols

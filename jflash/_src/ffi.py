@@ -96,3 +96,26 @@ def cuda_forward_family(dtype, head_dim: int, banded: bool) -> int:
     if code is None:
         return 0
     return int(_cuda_lib.jflash_cuda_forward_family(code, int(head_dim), int(bool(banded))))
+
+
+def cuda_kernel_smem_bytes(direction: str, dtype, head_dim: int, banded: bool) -> int:
+    """Shared memory per block of the CUDA kernel a call would run on the current GPU.
+
+    direction: "fwd" or "bwd". The handler picks the small-shared-memory tile
+    column (csrc/cuda/tile_sizes.h) where the device, or JFLASH_CUDA_SMEM_LIMIT,
+    allows less than the default tile needs. 0: that kernel was not built; -1:
+    no usable GPU, or an invalid JFLASH_CUDA_FORWARD / JFLASH_CUDA_SMEM_LIMIT.
+    For tests and benchmarks, like cuda_forward_family.
+    """
+    if direction not in ("fwd", "bwd"):
+        raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")
+    if _cuda_lib is None:
+        return 0
+    code = {"float16": 0, "bfloat16": 1}.get(jax.numpy.dtype(dtype).name)
+    if code is None:
+        return 0
+    return int(
+        _cuda_lib.jflash_cuda_kernel_smem_bytes(
+            0 if direction == "fwd" else 1, code, int(head_dim), int(bool(banded))
+        )
+    )
