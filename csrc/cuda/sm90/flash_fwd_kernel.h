@@ -362,6 +362,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int c = 4; c < kCols; ++c) part[c % 4] = op(part[c % 4], s_rc(r, c));
     return op(op(part[0], part[1]), op(part[2], part[3]));
   };
+  constexpr float kRescaleSlack = 8.f;
   auto softmax_step = [&](int n_block, float (&correction)[kRows]) {
     const float scale = params.softmax_scale_log2;
     const int key0 = n_block * kBlockN;
@@ -414,7 +415,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float m_safe[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const float m = fmaxf(row_max[r], quad_allreduce(row_ext[r], MaxOp{}) * ext_scale);
+      // Lazy rescaling: the running max moves only when the tile exceeds it
+      // by more than kRescaleSlack (log2 units). Otherwise the exponents of
+      // this tile are taken against the stale max (values up to 2^slack, far
+      // from overflow in P and the float32 sums) and O keeps its scale: the
+      // result is the same, since O and the row sum share one reference max
+      // and lse = max + log(sum). On most tiles no row moves, and the warp
+      // skips the O rescale below.
+      const float tile_max = quad_allreduce(row_ext[r], MaxOp{}) * ext_scale;
+      const float m = tile_max > row_max[r] + kRescaleSlack ? tile_max : row_max[r];
       // A row with no visible key yet keeps m = -inf; subtract 0 instead so
       // that exp2(-inf - -inf) never makes a NaN.
       m_safe[r] = m == -INFINITY ? 0.f : m;

@@ -7,14 +7,17 @@
 #   AB_TREES="base new" AB_SUBSET=bf16_hdim128 AB_BENCH="--head-dims 128 --modes fwdbwd" \
 #     bash csrc/cuda/tools/ab_bench.sh
 # Run after device_run.sh's wheel install (needs /tmp/site on PYTHONPATH).
+# AB_PHASE=build or bench runs one half (e.g. build every tree once, then time
+# several pairs with different AB_BENCH).
 set -u
 : "${OUT:=/tmp/out}"
 : "${AB_SUBSET:=bf16_hdim128}"
 : "${AB_BENCH:=--head-dims 128 --seqs 16384 --modes fwdbwd}"
 : "${AB_ROUNDS:=2}"
 : "${AB_TREES:=base new}"
+: "${AB_PHASE:=all}"
 export PYTHONPATH=/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-for side in $AB_TREES; do
+[ "$AB_PHASE" = bench ] || for side in $AB_TREES; do
   src=$([ $side = new ] && echo . || echo .dev/ab/$side)
   rm -rf /tmp/ab_$side && mkdir -p /tmp/ab_$side
   (cd $src && CMAKE_BUILD_PARALLEL_LEVEL=${AB_JOBS:-8} JFLASH_CUDA=ON JFLASH_CUDA_ARCHS=90a \
@@ -23,10 +26,11 @@ for side in $AB_TREES; do
      || { echo "build $side failed"; tail -20 /tmp/ab_$side/build.log; }) &
 done
 wait
+[ "$AB_PHASE" = build ] && exit 0
 for round in $(seq "$AB_ROUNDS"); do
   for side in $AB_TREES; do
     echo "== $side (round $round)"
     PYTHONPATH=/tmp/ab_$side/site:/tmp/site timeout 200 python3 -P csrc/cuda/tools/quick_bench.py \
       $AB_BENCH --impls jflash 2>&1 | tail -n +3
   done
-done 2>&1 | tee "$OUT/ab_bench.log"
+done 2>&1 | tee -a "$OUT/ab_bench.log"
