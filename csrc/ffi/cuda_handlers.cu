@@ -267,6 +267,14 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   return ffi::Error::Success();
 }
 
+// The device for the library's queries below: nullptr when there is no usable
+// device or a setting is invalid (the queries then answer -1).
+const DeviceInfo* QueryDevice() {
+  auto info = current_device_info();
+  if (info.has_error() || CheckSettings(forward_choice()).failure()) return nullptr;
+  return *info;
+}
+
 }  // namespace
 }  // namespace jflash
 
@@ -277,11 +285,11 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 extern "C" __attribute__((visibility("default"))) int jflash_cuda_forward_family(int dtype,
                                                                                 int head_dim,
                                                                                 int banded) {
-  auto info = jflash::current_device_info();
-  const jflash::ForwardChoice choice = jflash::forward_choice();
-  if (info.has_error() || jflash::CheckSettings(choice).failure()) return -1;
-  const auto kernel = jflash::SelectForward(**info, choice, static_cast<jflash::DType>(dtype),
-                                            head_dim, banded != 0, nullptr);
+  const jflash::DeviceInfo* info = jflash::QueryDevice();
+  if (info == nullptr) return -1;
+  const auto kernel = jflash::SelectForward(*info, jflash::forward_choice(),
+                                            static_cast<jflash::DType>(dtype), head_dim,
+                                            banded != 0, nullptr);
   if (kernel.launch == nullptr) return 0;
   return kernel.launch == jflash::cuda::sm90_fwd_kernel_slot(static_cast<jflash::DType>(dtype),
                                                             head_dim, banded != 0)
@@ -295,15 +303,15 @@ extern "C" __attribute__((visibility("default"))) int jflash_cuda_forward_family
 // forward, 1 backward; 0 when that kernel was not built, -1 as above.
 extern "C" __attribute__((visibility("default"))) int jflash_cuda_kernel_smem_bytes(
     int direction, int dtype, int head_dim, int banded) {
-  auto info = jflash::current_device_info();
-  const jflash::ForwardChoice choice = jflash::forward_choice();
-  if (info.has_error() || jflash::CheckSettings(choice).failure()) return -1;
+  const jflash::DeviceInfo* info = jflash::QueryDevice();
+  if (info == nullptr) return -1;
   const auto d = static_cast<jflash::DType>(dtype);
   if (direction == 0) {
-    const auto kernel = jflash::SelectForward(**info, choice, d, head_dim, banded != 0, nullptr);
+    const auto kernel =
+        jflash::SelectForward(*info, jflash::forward_choice(), d, head_dim, banded != 0, nullptr);
     return kernel.launch == nullptr ? 0 : kernel.smem_bytes;
   }
-  const auto kernel = jflash::SelectBackward(**info, d, head_dim, banded != 0);
+  const auto kernel = jflash::SelectBackward(*info, d, head_dim, banded != 0);
   return kernel.launch == nullptr ? 0 : kernel.smem_bytes;
 }
 

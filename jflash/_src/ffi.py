@@ -82,6 +82,13 @@ HAS_CUDA_KERNELS = _cuda_lib is not None
 """True when this build contains the CUDA kernels (they run when arrays live on a GPU)."""
 
 
+def _cuda_dtype_code(dtype) -> int | None:
+    """The C library's dtype code (0 float16, 1 bfloat16), or None where it has no kernel."""
+    if _cuda_lib is None:
+        return None
+    return {"float16": 0, "bfloat16": 1}.get(jax.numpy.dtype(dtype).name)
+
+
 def cuda_forward_family(dtype, head_dim: int, banded: bool) -> int:
     """The CUDA forward kernel a call would run on the current GPU.
 
@@ -90,9 +97,7 @@ def cuda_forward_family(dtype, head_dim: int, banded: bool) -> int:
     JFLASH_CUDA_FORWARD. head_dim is the kernel's (padded) head dim. For tests
     and benchmarks; the choice itself is made per call in the C++ handler.
     """
-    if _cuda_lib is None:
-        return 0
-    code = {"float16": 0, "bfloat16": 1}.get(jax.numpy.dtype(dtype).name)
+    code = _cuda_dtype_code(dtype)
     if code is None:
         return 0
     return int(_cuda_lib.jflash_cuda_forward_family(code, int(head_dim), int(bool(banded))))
@@ -109,9 +114,7 @@ def cuda_kernel_smem_bytes(direction: str, dtype, head_dim: int, banded: bool) -
     """
     if direction not in ("fwd", "bwd"):
         raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")
-    if _cuda_lib is None:
-        return 0
-    code = {"float16": 0, "bfloat16": 1}.get(jax.numpy.dtype(dtype).name)
+    code = _cuda_dtype_code(dtype)
     if code is None:
         return 0
     return int(
