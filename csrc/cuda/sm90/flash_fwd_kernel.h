@@ -219,6 +219,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     tile.n_tiles = key_begin < key_end ? ceil_div(key_end, kBlockN) - tile.n_block_begin : 0;
     return tile;
   };
+  // The first slot after t whose tile has work (num_slots if none).
+  auto next_work = [&](int t) {
+    for (t = next_slot(t); t < num_slots; t = next_slot(t)) {
+      const Tile tile = tile_at(t);
+      if (tile.valid && tile.n_tiles > 0) break;
+    }
+    return t;
+  };
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -250,11 +258,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor mQ = args.tma_q.get_tma_tensor(shape_q);
     Tensor mK = args.tma_k.get_tma_tensor(shape_k);
     Tensor mVt = args.tma_v.get_tma_tensor(shape_vt);
-    int kv_iter = 0;  // K/V tiles loaded so far: position in the ring
-    int q_iter = 0;   // Q tiles loaded so far
-    for (int t = first_slot; t < num_slots; t = next_slot(t)) {
-      const Tile tile = tile_at(t);
-      if (!tile.valid || tile.n_tiles == 0) continue;
+    // (TMA) for Q; (TMA, n_block) and (TMA, stage) for K and V.
+    auto partition = [&](const Tile& tile) {
       const int kv_head = tile.head / params.heads_per_kv;
       Tensor gQ = local_tile(mQ(_, _, tile.head, tile.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                              make_coord(tile.m_block, 0));
@@ -262,13 +267,38 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                              make_coord(_, 0));
       Tensor gVt = local_tile(mVt(_, _, kv_head, tile.batch),
                               Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(0, _));
-      // (TMA) for Q; (TMA, n_block) and (TMA, stage) for K and V.
-      auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{},
-                                        group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{},
-                                        group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{},
-                                        group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+      return make_tuple(tma_partition(args.tma_q, Int<0>{}, Layout<_1>{},
+                                      group_modes<0, 2>(sQ), group_modes<0, 2>(gQ)),
+                        tma_partition(args.tma_k, Int<0>{}, Layout<_1>{},
+                                      group_modes<0, 2>(sK), group_modes<0, 2>(gK)),
+                        tma_partition(args.tma_v, Int<0>{}, Layout<_1>{},
+                                      group_modes<0, 2>(sVt), group_modes<0, 2>(gVt)));
+    };
+    // An L2 prefetch of the next unit's Q and first K/V tiles, issued
+    // kPrefetchTiles tiles before this unit ends. Their real loads start only
+    // when a Q buffer and ring slots free up, right before the consumers need
+    // them, and Q (read once per unit) and a new head's K/V come from HBM.
+    constexpr int kPrefetchTiles = 4;
+    auto prefetch_next = [&](int t) {
+      const int t_next = next_work(t);
+      if (t_next >= num_slots) return;
+      const Tile tile = tile_at(t_next);
+      auto [q, k, v] = partition(tile);
+      cute::prefetch(args.tma_q, get<0>(q));
+      for (int i = 0; i < min(kStages, tile.n_tiles); ++i) {
+        cute::prefetch(args.tma_k, get<0>(k)(_, tile.n_block_begin + i));
+        cute::prefetch(args.tma_v, get<0>(v)(_, tile.n_block_begin + i));
+      }
+    };
+    int kv_iter = 0;  // K/V tiles loaded so far: position in the ring
+    int q_iter = 0;   // Q tiles loaded so far
+    for (int t = first_slot; t < num_slots; t = next_slot(t)) {
+      const Tile tile = tile_at(t);
+      if (!tile.valid || tile.n_tiles == 0) continue;
+      auto [q, k, v] = partition(tile);
+      auto [tQgQ, tQsQ] = q;
+      auto [tKgK, tKsK] = k;
+      auto [tVgV, tVsV] = v;
 
       // A fresh mbarrier counts as having completed the phase before phase 0,
       // so the first wait on each "empty" barrier passes at once. The next
@@ -277,7 +307,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       FullBarrier::arrive_and_expect_tx(&smem.q_full, Traits::kQBytes);
       copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
       ++q_iter;
+      const int prefetch_at = max(tile.n_tiles - kPrefetchTiles, 0);
       for (int i = 0; i < tile.n_tiles; ++i, ++kv_iter) {
+        if (i == prefetch_at) prefetch_next(t);
         const Slot slot(kv_iter);
         const int n_block = tile.n_block_begin + i;
         EmptyBarrier::wait(&smem.k_empty[slot.stage], slot.phase ^ 1);
