@@ -19,21 +19,28 @@ namespace jflash::cuda::sm90 {
 using namespace cute;
 
 // acc (+)= A B^T over the K mode, issued as one wgmma group (not waited for).
-// kZeroInit: the first k-step overwrites acc instead of accumulating, so the
-// caller never clears it.
-template <bool kZeroInit, typename TiledMma, typename TensorA, typename TensorB,
-          typename TensorAcc>
+// zero_init: the first k-step overwrites acc instead of accumulating, so the
+// caller never clears it (a register write to an accumulator while another
+// wgmma is in flight would make ptxas serialize the wgmmas).
+template <typename TiledMma, typename TensorA, typename TensorB, typename TensorAcc>
 __device__ __forceinline__ void wgmma_issue(TiledMma& tiled_mma, TensorA const& a,
-                                            TensorB const& b, TensorAcc& acc) {
+                                            TensorB const& b, TensorAcc& acc, bool zero_init) {
   warpgroup_fence_operand(acc);
   warpgroup_arrive();
-  if constexpr (kZeroInit) tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+  tiled_mma.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
   CUTE_UNROLL
   for (int k = 0; k < size<2>(a); ++k) {
     cute::gemm(tiled_mma, a(_, _, k), b(_, _, k), acc);
     tiled_mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
+}
+
+template <bool kZeroInit, typename TiledMma, typename TensorA, typename TensorB,
+          typename TensorAcc>
+__device__ __forceinline__ void wgmma_issue(TiledMma& tiled_mma, TensorA const& a,
+                                            TensorB const& b, TensorAcc& acc) {
+  wgmma_issue(tiled_mma, a, b, acc, kZeroInit);
 }
 
 // wgmma accumulator ((2 cols, 2 rows, N / 8), MMA_M, MMA_N) viewed as
