@@ -492,90 +492,39 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
-  int kv_iter = 0;  // K/V tiles consumed so far: position in the ring
-  int q_iter = 0;   // Q tiles consumed so far
-  // The key tiles of a unit that this warpgroup computes, [begin, end) as
-  // offsets from tile.n_block_begin. With ping-pong both consumers take the
-  // unit's whole range (their turns must match one for one). With three
-  // consumers each takes the tiles its own 64 rows see, which under a causal
-  // band skips up to a third of a 192-row unit's tile products (head dim 64,
-  // causal seq 1024: 25% fewer); a warpgroup whose rows all lie past the end of
-  // the sequence computes none.
-  struct OwnRange {
-    int begin, end;
-  };
-  auto own_range = [&](const Tile& tile) {
-    OwnRange own{0, tile.n_tiles};
-    if constexpr (!Traits::kPingPong) {
-      const int rows_begin = tile.row_begin + 64 * consumer;
-      const int rows_end = min(rows_begin + 64, tile.row_end);
-      int key_begin = 0;
-      int key_end = params.seqlen_k;
-      if constexpr (kBanded) {
-        key_begin = static_cast<int>(params.mask.key_begin(rows_begin));
-        key_end = static_cast<int>(params.mask.key_end(rows_end, params.seqlen_k));
-      }
-      if (rows_begin >= rows_end || key_begin >= key_end) {
-        own = {tile.n_tiles, tile.n_tiles};
-      } else {
-        own = {key_begin / kBlockN - tile.n_block_begin,
-               ceil_div(key_end, kBlockN) - tile.n_block_begin};
-      }
-    }
-    return own;
-  };
-  // A tile this warpgroup does not compute: it still waits for the loads and
-  // releases the buffers, so that the ring moves on in order.
-  auto skip_tiles = [&](int first, int last) {
-    for (int i = first; i < last; ++i) {
-      const Slot slot(kv_iter + i);
-      FullBarrier::wait(&smem.k_full[slot.stage], slot.phase);
-      release(&smem.k_empty[slot.stage]);
-      FullBarrier::wait(&smem.v_full[slot.stage], slot.phase);
-      release(&smem.v_empty[slot.stage]);
-    }
-  };
-
-  // Units run back to back: a unit's last step issues the next unit's first
-  // Q K^T together with its own last P V, and its epilogue (normalize, store)
-  // runs while that product is in flight; with two Q buffers the next unit's
-  // Q has landed by then. Every path reaches the head of the unit loop with
-  // exactly one Q K^T in flight (ptxas serializes every wgmma of the kernel
-  // when paths meet with different products in flight), so where there is no
-  // next product to issue (the last unit; or with three consumers, a next
-  // first tile that is not the next ring slot) a dummy product of one k-block
-  // is issued instead and its result dropped. For the ping-pong turns the
-  // CTA's products form one sequence: consumer 1's first hand-over comes
-  // before the first product, its skipped one after the last.
+  // Units run back to back: a unit's last step issues the next unit's S_0 =
+  // Q K_0^T together with its own last P V, and its epilogue (normalize,
+  // store) runs while that product is in flight; with two Q buffers the next
+  // unit's Q has landed by then. Every path reaches the head of the unit loop
+  // with exactly one Q K^T in flight (ptxas serializes every wgmma of the
+  // kernel when paths meet with different products in flight), so the last
+  // unit issues a dummy product on buffers it has already read, and the
+  // result is dropped. For the ping-pong turns the CTA's products form one
+  // sequence: consumer 1's first hand-over comes before the first product,
+  // its skipped one after the last.
   auto issue_first_qk = [&](bool real, QSlot q, Slot k) {
     if (real) {
       FullBarrier::wait(&smem.q_full[q.stage], q.phase);
       FullBarrier::wait(&smem.k_full[k.stage], k.phase);
-      wgmma_issue</*kZeroInit=*/true>(mma_qk, tSrQ(_, _, _, q.stage), tSrK(_, _, _, k.stage),
-                                      acc_s);
-    } else {
-      // Reads buffers whose contents no longer matter; acc_s is dropped.
-      wgmma_issue_first_kblock(mma_qk, tSrQ(_, _, _, q.stage), tSrK(_, _, _, k.stage), acc_s);
     }
+    wgmma_issue</*kZeroInit=*/true>(mma_qk, tSrQ(_, _, _, q.stage), tSrK(_, _, _, k.stage), acc_s);
   };
+  int kv_iter = 0;  // K/V tiles consumed so far: position in the ring
+  int q_iter = 0;   // Q tiles consumed so far
   // Defined before the first product is in flight (register copies of an
   // undefined value would otherwise land after it and cost a wgmma wait).
   clear(acc_o);
   warpgroup_fence_operand(acc_o);
-  bool first_issued;  // the Q K^T in flight is the next unit's first own one
   {
     const Tile first = tile_at(first_slot);
-    const int t_work = first_slot < num_slots && first.valid && first.n_tiles > 0
-                           ? first_slot
-                           : next_work(first_slot);
-    first_issued = t_work < num_slots && own_range(tile_at(t_work)).begin == 0 &&
-                   own_range(tile_at(t_work)).end > 0;
+    const bool has_work = first_slot < num_slots && ((first.valid && first.n_tiles > 0) ||
+                                                     next_work(first_slot) < num_slots);
     if constexpr (Traits::kPingPong) {
       if (consumer == 1) cutlass::arch::NamedBarrier::arrive(kPairThreads, kFirstBarrier);
     }
     begin_issue();
-    issue_first_qk(first_issued, QSlot(0), Slot(0));
-    end_issue(/*last=*/t_work >= num_slots);
+    issue_first_qk(has_work, QSlot(0), Slot(0));
+    end_issue(/*last=*/!has_work);
   }
   for (int t = first_slot; t < num_slots; t = next_slot(t)) {
     const Tile tile = tile_at(t);
@@ -589,102 +538,73 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       row_max[r] = -INFINITY;
       row_sum[r] = 0.f;
     }
-    // acc_o is not cleared: the unit's first P V overwrites it, and rows
-    // without keys store O = 0 from their zero row sums.
+    // acc_o is not cleared: the unit's first P V overwrites it, and a unit
+    // without keys stores O = 0 from its zero row sums.
     if (n_tiles > 0) {
       const QSlot q_slot(q_iter);
       Tensor tSrQ_unit = tSrQ(_, _, _, q_slot.stage);
-      const OwnRange own = own_range(tile);
-      warpgroup_wait<0>();  // the Q K^T in flight
-      // (Each branch below ends with one product in flight; with ping-pong
-      // the first is the only one.)
-      if (Traits::kPingPong || own.begin < own.end) {
-        if constexpr (!Traits::kPingPong) {
-          if (!first_issued) {
-            skip_tiles(0, own.begin);
-            issue_first_qk(true, q_slot, Slot(kv_iter + own.begin));
-            warpgroup_wait<0>();
-          }
-        }
-        // Step 0: S of the first own tile.
-        {
-          const Slot slot(kv_iter + own.begin);
-          warpgroup_fence_operand(acc_s);
-          release(&smem.k_empty[slot.stage]);
-          // The unit's last Q K^T is done.
-          if (own.end - own.begin == 1) release(&smem.q_empty[q_slot.stage]);
-          float correction[kRows];
-          softmax_step(n_block_begin + own.begin, correction);
-          convert_p();
-        }
-        for (int i = own.begin + 1; i < own.end; ++i) {
-          const Slot slot(kv_iter + i);
-          const Slot prev(kv_iter + i - 1);
-          begin_issue();
-          FullBarrier::wait(&smem.k_full[slot.stage], slot.phase);
-          wgmma_issue<true>(mma_qk, tSrQ_unit, tSrK(_, _, _, slot.stage), acc_s);
-          FullBarrier::wait(&smem.v_full[prev.stage], prev.phase);
-          warpgroup_fence_operand(tOrP);
-          wgmma_issue(mma_pv, tOrP, tOrV(_, _, _, prev.stage), acc_o,
-                      /*zero_init=*/i == own.begin + 1);
-          end_issue(false);
-          warpgroup_wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
-          warpgroup_fence_operand(acc_s);
-          release(&smem.k_empty[slot.stage]);
-          if (i == own.end - 1) release(&smem.q_empty[q_slot.stage]);
-          float correction[kRows];
-          softmax_step(n_block_begin + i, correction);
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc_o);
-          warpgroup_fence_operand(tOrP);
-          release(&smem.v_empty[prev.stage]);
-          // O *= correction; skipped when no row of the warp raised its max
-          // (exact: the correction is then 1).
-          bool changed = false;
+      // Step 0: S_0, issued by the previous unit (or before the loop).
+      {
+        const Slot slot(kv_iter);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_s);
+        release(&smem.k_empty[slot.stage]);
+        // The unit's last Q K^T is done.
+        if (n_tiles == 1) release(&smem.q_empty[q_slot.stage]);
+        float correction[kRows];
+        softmax_step(n_block_begin, correction);
+        convert_p();
+      }
+      for (int i = 1; i < n_tiles; ++i) {
+        const Slot slot(kv_iter + i);
+        const Slot prev(kv_iter + i - 1);
+        begin_issue();
+        FullBarrier::wait(&smem.k_full[slot.stage], slot.phase);
+        wgmma_issue<true>(mma_qk, tSrQ_unit, tSrK(_, _, _, slot.stage), acc_s);
+        FullBarrier::wait(&smem.v_full[prev.stage], prev.phase);
+        warpgroup_fence_operand(tOrP);
+        wgmma_issue(mma_pv, tOrP, tOrV(_, _, _, prev.stage), acc_o, /*zero_init=*/i == 1);
+        end_issue(false);
+        warpgroup_wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
+        warpgroup_fence_operand(acc_s);
+        release(&smem.k_empty[slot.stage]);
+        if (i == n_tiles - 1) release(&smem.q_empty[q_slot.stage]);
+        float correction[kRows];
+        softmax_step(n_block_begin + i, correction);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o);
+        warpgroup_fence_operand(tOrP);
+        release(&smem.v_empty[prev.stage]);
+        // O *= correction; skipped when no row of the warp raised its max (exact:
+        // the correction is then 1).
+        bool changed = false;
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) changed |= correction[r] != 1.f;
+        if (__any_sync(0xffffffff, changed)) {
           CUTE_UNROLL
-          for (int r = 0; r < kRows; ++r) changed |= correction[r] != 1.f;
-          if (__any_sync(0xffffffff, changed)) {
+          for (int r = 0; r < kRows; ++r) {
             CUTE_UNROLL
-            for (int r = 0; r < kRows; ++r) {
-              CUTE_UNROLL
-              for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= correction[r];
-            }
+            for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= correction[r];
           }
-          convert_p();
         }
-        // Last step: P V of the last own tile, and the next unit's first
-        // own Q K^T when that is the next ring slot (every consumer sees the
-        // same units; with ping-pong all decide alike).
-        {
-          const int t_next = next_work(t);
-          bool chain = t_next < num_slots && own.end == n_tiles;
-          if (chain) {
-            const OwnRange next_own = own_range(tile_at(t_next));
-            chain = next_own.begin == 0 && next_own.end > 0;
-          }
-          const Slot prev(kv_iter + own.end - 1);
-          begin_issue();
-          FullBarrier::wait(&smem.v_full[prev.stage], prev.phase);
-          warpgroup_fence_operand(tOrP);
-          wgmma_issue(mma_pv, tOrP, tOrV(_, _, _, prev.stage), acc_o,
-                      /*zero_init=*/own.end - own.begin == 1);
-          issue_first_qk(chain, chain ? QSlot(q_iter + 1) : q_slot,
-                         chain ? Slot(kv_iter + n_tiles) : prev);
-          end_issue(/*last=*/t_next >= num_slots);
-          warpgroup_wait<1>();  // P V done; the next Q K^T runs under the epilogue
-          warpgroup_fence_operand(acc_o);
-          release(&smem.v_empty[prev.stage]);
-          first_issued = chain;
-        }
-        skip_tiles(own.end, n_tiles);
-      } else {
-        // No tile for this warpgroup's rows: Q must still have landed before
-        // its buffer is released (the release counts toward this fill).
-        skip_tiles(0, n_tiles);
-        FullBarrier::wait(&smem.q_full[q_slot.stage], q_slot.phase);
-        release(&smem.q_empty[q_slot.stage]);
-        issue_first_qk(false, q_slot, Slot(kv_iter + n_tiles - 1));
-        first_issued = false;
+        convert_p();
+      }
+      // Last step: P_{n-1} V_{n-1} and the next unit's S_0 (a dummy on this
+      // unit's buffers when none is left; every consumer sees the same units,
+      // so all decide alike).
+      {
+        const bool has_next = next_work(t) < num_slots;
+        const Slot prev(kv_iter + n_tiles - 1);
+        begin_issue();
+        FullBarrier::wait(&smem.v_full[prev.stage], prev.phase);
+        warpgroup_fence_operand(tOrP);
+        wgmma_issue(mma_pv, tOrP, tOrV(_, _, _, prev.stage), acc_o, /*zero_init=*/n_tiles == 1);
+        issue_first_qk(has_next, has_next ? QSlot(q_iter + 1) : q_slot,
+                       has_next ? Slot(kv_iter + n_tiles) : prev);
+        end_issue(/*last=*/!has_next);
+        warpgroup_wait<1>();  // P V done; the next S_0 runs under the epilogue
+        warpgroup_fence_operand(acc_o);
+        release(&smem.v_empty[prev.stage]);
       }
       kv_iter += n_tiles;
       ++q_iter;
