@@ -71,8 +71,8 @@ CASES = [
     # epilogue, two Q buffers in turn), with empty units between them.
     (4, 1030, 900, 16, 4, 128, None, None),
     (3, 1500, 700, 16, 8, 128, -1500, 700 - 1500),  # rows 0..799 see nothing
-    (4, 1100, 1100, 16, 4, 64, -1100, 0),  # causal: warpgroups skip tiles their rows don't see
-    (4, 1000, 777, 16, 16, 64, None, None),  # a last block with a single warpgroup's rows
+    (4, 1100, 1100, 16, 4, 64, -1100, 0),  # causal, three consumer warpgroups
+    (4, 1000, 777, 16, 16, 64, None, None),  # a last block with one warpgroup's rows
     (4, 1200, 500, 16, 4, 64, -1200, 500 - 1200),  # rows 0..699 see nothing
     (3, 1000, 1000, 16, 8, 256, -1000, 0),
 ]

@@ -498,16 +498,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // unit's Q has landed by then. Every path reaches the head of the unit loop
   // with exactly one Q K^T in flight (ptxas serializes every wgmma of the
   // kernel when paths meet with different products in flight), so the last
-  // unit issues a dummy product on buffers it has already read, and the
-  // result is dropped. For the ping-pong turns the CTA's products form one
-  // sequence: consumer 1's first hand-over comes before the first product,
-  // its skipped one after the last.
+  // unit issues a stand-in product of one k-block on buffers it has already
+  // read, and the result is dropped. For the ping-pong turns the CTA's
+  // products form one sequence: consumer 1's first hand-over comes before the
+  // first product, its skipped one after the last.
   auto issue_first_qk = [&](bool real, QSlot q, Slot k) {
     if (real) {
       FullBarrier::wait(&smem.q_full[q.stage], q.phase);
       FullBarrier::wait(&smem.k_full[k.stage], k.phase);
+      wgmma_issue</*kZeroInit=*/true>(mma_qk, tSrQ(_, _, _, q.stage), tSrK(_, _, _, k.stage),
+                                      acc_s);
+    } else {
+      wgmma_issue_first_kblock(mma_qk, tSrQ(_, _, _, q.stage), tSrK(_, _, _, k.stage), acc_s);
     }
-    wgmma_issue</*kZeroInit=*/true>(mma_qk, tSrQ(_, _, _, q.stage), tSrK(_, _, _, k.stage), acc_s);
   };
   int kv_iter = 0;  // K/V tiles consumed so far: position in the ring
   int q_iter = 0;   // Q tiles consumed so far

@@ -43,6 +43,18 @@ __device__ __forceinline__ void wgmma_issue(TiledMma& tiled_mma, TensorA const& 
   wgmma_issue(tiled_mma, a, b, acc, kZeroInit);
 }
 
+// acc = A B^T over the first k-block only (one wgmma per warpgroup tile): a
+// short stand-in where the caller needs a product in flight, not its result.
+template <typename TiledMma, typename TensorA, typename TensorB, typename TensorAcc>
+__device__ __forceinline__ void wgmma_issue_first_kblock(TiledMma& tiled_mma, TensorA const& a,
+                                                         TensorB const& b, TensorAcc& acc) {
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+  cute::gemm(tiled_mma, a(_, _, 0), b(_, _, 0), acc);
+  warpgroup_commit_batch();
+}
+
 // wgmma accumulator ((2 cols, 2 rows, N / 8), MMA_M, MMA_N) viewed as
 // (rows, cols). As with mma.sync, the 4 lanes of a quad hold one row.
 template <typename Layout>
