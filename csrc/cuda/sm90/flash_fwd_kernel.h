@@ -502,14 +502,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // read, and the result is dropped. For the ping-pong turns the CTA's
   // products form one sequence: consumer 1's first hand-over comes before the
   // first product, its skipped one after the last.
+  // Buffer indices, broadcast from lane 0: ptxas then knows them to be
+  // warp-uniform and builds the wgmma descriptors in uniform registers, instead
+  // of per-thread registers moved over (R2UR) before every wgmma of the loop.
+  auto uniform = [](int stage) { return __shfl_sync(0xffffffff, stage, 0); };
   auto issue_first_qk = [&](bool real, QSlot q, Slot k) {
     if (real) {
       FullBarrier::wait(&smem.q_full[q.stage], q.phase);
       FullBarrier::wait(&smem.k_full[k.stage], k.phase);
-      wgmma_issue</*kZeroInit=*/true>(mma_qk, tSrQ(_, _, _, q.stage), tSrK(_, _, _, k.stage),
-                                      acc_s);
+      wgmma_issue</*kZeroInit=*/true>(mma_qk, tSrQ(_, _, _, uniform(q.stage)),
+                                      tSrK(_, _, _, uniform(k.stage)), acc_s);
     } else {
-      wgmma_issue_first_kblock(mma_qk, tSrQ(_, _, _, q.stage), tSrK(_, _, _, k.stage), acc_s);
+      wgmma_issue_first_kblock(mma_qk, tSrQ(_, _, _, uniform(q.stage)),
+                               tSrK(_, _, _, uniform(k.stage)), acc_s);
     }
   };
   int kv_iter = 0;  // K/V tiles consumed so far: position in the ring
@@ -545,7 +550,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // without keys stores O = 0 from its zero row sums.
     if (n_tiles > 0) {
       const QSlot q_slot(q_iter);
-      Tensor tSrQ_unit = tSrQ(_, _, _, q_slot.stage);
+      Tensor tSrQ_unit = tSrQ(_, _, _, uniform(q_slot.stage));
       // Step 0: S_0, issued by the previous unit (or before the loop).
       {
         const Slot slot(kv_iter);
@@ -563,10 +568,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const Slot prev(kv_iter + i - 1);
         begin_issue();
         FullBarrier::wait(&smem.k_full[slot.stage], slot.phase);
-        wgmma_issue<true>(mma_qk, tSrQ_unit, tSrK(_, _, _, slot.stage), acc_s);
+        wgmma_issue<true>(mma_qk, tSrQ_unit, tSrK(_, _, _, uniform(slot.stage)), acc_s);
         FullBarrier::wait(&smem.v_full[prev.stage], prev.phase);
         warpgroup_fence_operand(tOrP);
-        wgmma_issue(mma_pv, tOrP, tOrV(_, _, _, prev.stage), acc_o, /*zero_init=*/i == 1);
+        wgmma_issue(mma_pv, tOrP, tOrV(_, _, _, uniform(prev.stage)), acc_o, /*zero_init=*/i == 1);
         end_issue(false);
         warpgroup_wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
         warpgroup_fence_operand(acc_s);
@@ -601,7 +606,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         begin_issue();
         FullBarrier::wait(&smem.v_full[prev.stage], prev.phase);
         warpgroup_fence_operand(tOrP);
-        wgmma_issue(mma_pv, tOrP, tOrV(_, _, _, prev.stage), acc_o, /*zero_init=*/n_tiles == 1);
+        wgmma_issue(mma_pv, tOrP, tOrV(_, _, _, uniform(prev.stage)), acc_o,
+                    /*zero_init=*/n_tiles == 1);
         issue_first_qk(has_next, has_next ? QSlot(q_iter + 1) : q_slot,
                        has_next ? Slot(kv_iter + n_tiles) : prev);
         end_issue(/*last=*/!has_next);
