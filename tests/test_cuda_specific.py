@@ -67,8 +67,8 @@ CASES = [
     (1, 250, 700, 2, 2, 256, -300, 100),
     (1, 70, 130, 2, 2, 128, -70, -60),  # rows 0..59 see nothing; rows 64.. of the tile absent
     # More work units than a GPU has SMs, so that each persistent CTA runs
-    # several back to back (the next unit's first Q K^T issued under the
-    # epilogue, two Q buffers in turn), with empty units between them.
+    # several (Q and the K/V ring reused across units, the next unit's tiles
+    # prefetched into L2), with units whose rows see no key between them.
     (4, 1030, 900, 16, 4, 128, None, None),
     (3, 1500, 700, 16, 8, 128, -1500, 700 - 1500),  # rows 0..799 see nothing
     (4, 1100, 1100, 16, 4, 64, -1100, 0),  # causal, three consumer warpgroups

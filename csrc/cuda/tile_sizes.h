@@ -164,11 +164,9 @@ struct Sm90FwdTile {
   int block_m;  // query rows per CTA: 64 per consumer warpgroup
   int block_n;  // key rows per step (the N of S = Q K^T, the K of O += P V)
   int stages;   // K/V ring depth
-  int q_stages;  // Q buffers: with 2, a unit's Q lands while the previous unit
-                 // runs, and its first Q K^T is issued with that unit's last P V
 };
 
-// smem = (q_stages * block_m + 2 * stages * block_n) * head_dim * 2 bytes (<= 227 KB).
+// smem = (block_m + 2 * stages * block_n) * head_dim * 2 bytes (<= 227 KB).
 // registers per consumer thread: block_n / 2 score floats + head_dim / 2
 // output floats + block_n / 4 words of P, under the setmaxnreg budget (240
 // with two consumer warpgroups, 160 with three).
@@ -178,16 +176,15 @@ constexpr Sm90FwdTile sm90_fwd_tile(int head_dim) {
     // is not, so two warpgroups cannot hide each other's softmax; three
     // (192 rows, no ping-pong) measured 436 / 493 TFLOP/s at seq 4k / 16k
     // against 390 / 443 for 128 x 128 (H200; csrc/cuda/NOTES.md).
-    case 64: return {192, 128, 2, 2};   // 112 KB
+    case 64: return {192, 128, 2};   // 88 KB
     // Head dim 128 (H200, unmasked, seq 4k / 16k): 128x128 with 2 stages
     // 560 / 604 TFLOP/s; 3 stages 563 / 602 (the loads are not what limits);
     // 128x192 535 / 593; 128x176 419 / 468.
-    case 128: return {128, 128, 2, 2};  // 192 KB
+    case 128: return {128, 128, 2};  // 160 KB
     // Head dim 256: 128 output floats per thread leave room for a 64-key
-    // score tile only; 2 stages 596 / 673, 3 stages 600 / 667. A second Q
-    // buffer does not fit (256 KB).
-    case 256: return {128, 64, 2, 1};   // 192 KB
-    default: return {0, 0, 0, 0};
+    // score tile only; 2 stages 596 / 673, 3 stages 600 / 667.
+    case 256: return {128, 64, 2};   // 192 KB
+    default: return {0, 0, 0};
   }
 }
 

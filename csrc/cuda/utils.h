@@ -141,17 +141,16 @@ __device__ __forceinline__ void copy_rows(TiledCopy const& tiled_copy, TensorG c
   }
 }
 
-// The forward epilogue, shared by the sm80 and the Hopper kernels: O / rowsum
+// The forward epilogue, shared by the sm80 and the Hopper kernels: O /= rowsum
 // and lse = max + ln(sum) (natural log; row_max is in the log2 domain) for the
 // query rows this thread holds, then O stored in half precision. A row that saw
-// no key has sum 0 and gets O = 0 (whatever its accumulator holds), lse = -inf.
-// o_rc and c_o_rc view the output accumulator and its (row, col) coordinates as
-// (rows, cols); rows at or past seqlen_q are not stored; writes_lse picks one
-// thread of the quad per row. The accumulator is only read: the Hopper kernel
-// runs this while the next unit's first product is in flight, and a register
-// write to a wgmma accumulator there would make ptxas serialize the wgmmas.
-template <typename Element, int kRows, typename AccORowCol, typename CoordORowCol>
-__device__ __forceinline__ void store_output(AccORowCol const& o_rc, CoordORowCol const& c_o_rc,
+// no key has sum 0 and gets O = 0, lse = -inf. o_rc and c_o_rc view the output
+// accumulator and its (row, col) coordinates as (rows, cols); rows at or past
+// seqlen_q are not stored; writes_lse picks one thread of the quad per row.
+template <typename Element, int kRows, typename AccO, typename AccORowCol, typename CoordO,
+          typename CoordORowCol>
+__device__ __forceinline__ void store_output(AccO const& acc_o, AccORowCol& o_rc,
+                                             CoordO const& c_o, CoordORowCol const& c_o_rc,
                                              float const (&row_max)[kRows],
                                              float const (&row_sum)[kRows], int row_begin,
                                              int seqlen_q, bool writes_lse, float* lse_ptr,
@@ -160,19 +159,21 @@ __device__ __forceinline__ void store_output(AccORowCol const& o_rc, CoordORowCo
   for (int r = 0; r < kRows; ++r) {
     const float sum = quad_allreduce(row_sum[r], SumOp{});
     const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
-    const int row = row_begin + get<0>(c_o_rc(r, 0));
-    if (row >= seqlen_q) continue;
-    if (writes_lse) lse_ptr[row] = sum > 0.f ? row_max[r] * float(M_LN2) + logf(sum) : -INFINITY;
-    // Columns c, c + 1 (c even) of an accumulator row are adjacent: 4-byte
-    // stores, converted one pair at a time (no second copy of the tile in
-    // registers).
-    Element* dst = out_ptr + int64_t(row) * out_row_stride;
     CUTE_UNROLL
-    for (int c = 0; c < size<1>(o_rc); c += 2) {
-      const float a = sum > 0.f ? o_rc(r, c) * inv_sum : 0.f;
-      const float b = sum > 0.f ? o_rc(r, c + 1) * inv_sum : 0.f;
-      *reinterpret_cast<uint32_t*>(dst + get<1>(c_o_rc(r, c))) =
-          pack_pair(static_cast<Element>(a), static_cast<Element>(b));
+    for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv_sum;
+    const int row = row_begin + get<0>(c_o_rc(r, 0));
+    if (writes_lse && row < seqlen_q) {
+      lse_ptr[row] = sum > 0.f ? row_max[r] * float(M_LN2) + logf(sum) : -INFINITY;
+    }
+  }
+  Tensor o = convert_fragment<Element>(acc_o);
+  // Fragment elements 2i, 2i+1 are adjacent columns of one row: 4-byte stores.
+  CUTE_UNROLL
+  for (int i = 0; i < size(o); i += 2) {
+    const int row = row_begin + get<0>(c_o(i));
+    if (row < seqlen_q) {
+      Element* dst = out_ptr + int64_t(row) * out_row_stride + get<1>(c_o(i));
+      *reinterpret_cast<uint32_t*>(dst) = pack_pair(o(i), o(i + 1));
     }
   }
 }

@@ -62,7 +62,6 @@ struct FwdTraits {
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
-  static constexpr int kQStages = kTile.q_stages;
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kNThreads = 128 + kConsumerThreads;
@@ -87,7 +86,7 @@ struct FwdTraits {
 
   // 128-byte swizzled layouts that both TMA and wgmma understand.
   using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
+                                             Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                              Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   // V stored as V^T tiles (head_dim x block_n), head_dim contiguous.
@@ -104,8 +103,7 @@ struct FwdTraits {
       SM90_TMA_LOAD{},
       make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, Stride_{}),
       SmemLayout{}, TileShape{}));
-  using TmaQ = Tma<GmemStrideRowMajor, decltype(take<0, 2>(SmemLayoutQ{})),
-                   Shape<Int<kBlockM>, Int<kHeadDim>>>;
+  using TmaQ = Tma<GmemStrideRowMajor, SmemLayoutQ, Shape<Int<kBlockM>, Int<kHeadDim>>>;
   using TmaK = Tma<GmemStrideRowMajor, decltype(take<0, 2>(SmemLayoutK{})),
                    Shape<Int<kBlockN>, Int<kHeadDim>>>;
   using TmaV = Tma<GmemStrideTransposed, decltype(take<0, 2>(SmemLayoutVt{})),
@@ -119,8 +117,8 @@ struct FwdTraits {
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutVt>> v;
-    alignas(8) uint64_t q_full[kQStages];
-    uint64_t q_empty[kQStages];
+    alignas(8) uint64_t q_full;
+    uint64_t q_empty;
     uint64_t k_full[kStages];
     uint64_t v_full[kStages];
     uint64_t k_empty[kStages];
@@ -140,8 +138,8 @@ struct FwdArgs {
   typename Traits::TmaV tma_v;
 };
 
-// Ring position of the i-th K/V (or Q) tile: buffer and the mbarrier phase
-// parity that its n-th fill completes.
+// Ring position of the i-th K/V tile: buffer and the mbarrier phase parity
+// that its n-th fill completes.
 template <int kStages>
 struct RingSlot {
   int stage;
@@ -161,7 +159,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kStages = Traits::kStages;
   using Slot = RingSlot<kStages>;
-  using QSlot = RingSlot<Traits::kQStages>;
 
   const FwdParams& params = args.params;
   extern __shared__ __align__(1024) char smem_raw[];
@@ -233,11 +230,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
-    CUTE_UNROLL
-    for (int s = 0; s < Traits::kQStages; ++s) {
-      FullBarrier::init(&smem.q_full[s], 1);
-      EmptyBarrier::init(&smem.q_empty[s], Traits::kConsumerThreads / 32);
-    }
+    FullBarrier::init(&smem.q_full, 1);
+    EmptyBarrier::init(&smem.q_empty, Traits::kConsumerThreads / 32);
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
       FullBarrier::init(&smem.k_full[s], 1);
@@ -308,12 +302,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
       // A fresh mbarrier counts as having completed the phase before phase 0,
       // so the first wait on each "empty" barrier passes at once. The next
-      // unit's Q (into the other Q buffer, when there are two) and first K/V
-      // tiles load while the consumers finish this one.
-      const QSlot q_slot(q_iter++);
-      EmptyBarrier::wait(&smem.q_empty[q_slot.stage], q_slot.phase ^ 1);
-      FullBarrier::arrive_and_expect_tx(&smem.q_full[q_slot.stage], Traits::kQBytes);
-      copy(args.tma_q.with(smem.q_full[q_slot.stage]), tQgQ, tQsQ(_, q_slot.stage));
+      // tile's Q and first K/V tiles load while the consumers finish this one.
+      EmptyBarrier::wait(&smem.q_empty, (q_iter & 1) ^ 1);
+      FullBarrier::arrive_and_expect_tx(&smem.q_full, Traits::kQBytes);
+      copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
+      ++q_iter;
       const int prefetch_at = max(tile.n_tiles - kPrefetchTiles, 0);
       for (int i = 0; i < tile.n_tiles; ++i, ++kv_iter) {
         if (i == prefetch_at) prefetch_next(t);
@@ -492,48 +485,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
-  // Units run back to back: a unit's last step issues the next unit's S_0 =
-  // Q K_0^T together with its own last P V, and its epilogue (normalize,
-  // store) runs while that product is in flight; with two Q buffers the next
-  // unit's Q has landed by then. Every path reaches the head of the unit loop
-  // with exactly one Q K^T in flight (ptxas serializes every wgmma of the
-  // kernel when paths meet with different products in flight), so the last
-  // unit issues a stand-in product of one k-block on buffers it has already
-  // read, and the result is dropped. For the ping-pong turns the CTA's
-  // products form one sequence: consumer 1's first hand-over comes before the
-  // first product, its skipped one after the last.
-  // Buffer indices, broadcast from lane 0: ptxas then knows them to be
-  // warp-uniform and builds the wgmma descriptors in uniform registers, instead
-  // of per-thread registers moved over (R2UR) before every wgmma of the loop.
-  auto uniform = [](int stage) { return __shfl_sync(0xffffffff, stage, 0); };
-  auto issue_first_qk = [&](bool real, QSlot q, Slot k) {
-    if (real) {
-      FullBarrier::wait(&smem.q_full[q.stage], q.phase);
-      FullBarrier::wait(&smem.k_full[k.stage], k.phase);
-      wgmma_issue</*kZeroInit=*/true>(mma_qk, tSrQ(_, _, _, uniform(q.stage)),
-                                      tSrK(_, _, _, uniform(k.stage)), acc_s);
-    } else {
-      wgmma_issue_first_kblock(mma_qk, tSrQ(_, _, _, uniform(q.stage)),
-                               tSrK(_, _, _, uniform(k.stage)), acc_s);
-    }
-  };
   int kv_iter = 0;  // K/V tiles consumed so far: position in the ring
   int q_iter = 0;   // Q tiles consumed so far
-  // Defined before the first product is in flight (register copies of an
-  // undefined value would otherwise land after it and cost a wgmma wait).
-  clear(acc_o);
-  warpgroup_fence_operand(acc_o);
-  {
-    const Tile first = tile_at(first_slot);
-    const bool has_work = first_slot < num_slots && ((first.valid && first.n_tiles > 0) ||
-                                                     next_work(first_slot) < num_slots);
-    if constexpr (Traits::kPingPong) {
-      if (consumer == 1) cutlass::arch::NamedBarrier::arrive(kPairThreads, kFirstBarrier);
-    }
-    begin_issue();
-    issue_first_qk(has_work, QSlot(0), Slot(0));
-    end_issue(/*last=*/!has_work);
-  }
   for (int t = first_slot; t < num_slots; t = next_slot(t)) {
     const Tile tile = tile_at(t);
     if (!tile.valid) continue;
@@ -546,19 +499,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       row_max[r] = -INFINITY;
       row_sum[r] = 0.f;
     }
-    // acc_o is not cleared: the unit's first P V overwrites it, and a unit
-    // without keys stores O = 0 from its zero row sums.
+    clear(acc_o);
     if (n_tiles > 0) {
-      const QSlot q_slot(q_iter);
-      Tensor tSrQ_unit = tSrQ(_, _, _, uniform(q_slot.stage));
-      // Step 0: S_0, issued by the previous unit (or before the loop).
+      if constexpr (Traits::kPingPong) {
+        if (consumer == 1) cutlass::arch::NamedBarrier::arrive(kPairThreads, kFirstBarrier);
+      }
+      FullBarrier::wait(&smem.q_full, q_iter & 1);
+
+      // Step 0: S_0 only.
       {
         const Slot slot(kv_iter);
+        begin_issue();
+        FullBarrier::wait(&smem.k_full[slot.stage], slot.phase);
+        wgmma_issue</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, slot.stage), acc_s);
+        end_issue(false);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_s);
         release(&smem.k_empty[slot.stage]);
-        // The unit's last Q K^T is done.
-        if (n_tiles == 1) release(&smem.q_empty[q_slot.stage]);
+        if (n_tiles == 1) release(&smem.q_empty);  // the tile's last Q K^T is done
         float correction[kRows];
         softmax_step(n_block_begin, correction);
         convert_p();
@@ -568,15 +526,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const Slot prev(kv_iter + i - 1);
         begin_issue();
         FullBarrier::wait(&smem.k_full[slot.stage], slot.phase);
-        wgmma_issue<true>(mma_qk, tSrQ_unit, tSrK(_, _, _, uniform(slot.stage)), acc_s);
+        wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, slot.stage), acc_s);
         FullBarrier::wait(&smem.v_full[prev.stage], prev.phase);
         warpgroup_fence_operand(tOrP);
-        wgmma_issue(mma_pv, tOrP, tOrV(_, _, _, uniform(prev.stage)), acc_o, /*zero_init=*/i == 1);
+        wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, prev.stage), acc_o);
         end_issue(false);
         warpgroup_wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
         warpgroup_fence_operand(acc_s);
         release(&smem.k_empty[slot.stage]);
-        if (i == n_tiles - 1) release(&smem.q_empty[q_slot.stage]);
+        if (i == n_tiles - 1) release(&smem.q_empty);  // the tile's last Q K^T is done
         float correction[kRows];
         softmax_step(n_block_begin + i, correction);
         warpgroup_wait<0>();
@@ -597,21 +555,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
         convert_p();
       }
-      // Last step: P_{n-1} V_{n-1} and the next unit's S_0 (a dummy on this
-      // unit's buffers when none is left; every consumer sees the same units,
-      // so all decide alike).
+      // Last step: P_{n-1} V_{n-1}.
       {
-        const bool has_next = next_work(t) < num_slots;
         const Slot prev(kv_iter + n_tiles - 1);
         begin_issue();
         FullBarrier::wait(&smem.v_full[prev.stage], prev.phase);
         warpgroup_fence_operand(tOrP);
-        wgmma_issue(mma_pv, tOrP, tOrV(_, _, _, uniform(prev.stage)), acc_o,
-                    /*zero_init=*/n_tiles == 1);
-        issue_first_qk(has_next, has_next ? QSlot(q_iter + 1) : q_slot,
-                       has_next ? Slot(kv_iter + n_tiles) : prev);
-        end_issue(/*last=*/!has_next);
-        warpgroup_wait<1>();  // P V done; the next S_0 runs under the epilogue
+        wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, prev.stage), acc_o);
+        end_issue(true);
+        warpgroup_wait<0>();
         warpgroup_fence_operand(acc_o);
         release(&smem.v_empty[prev.stage]);
       }
@@ -619,16 +571,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       ++q_iter;
     }
 
-    // Epilogue: O /= rowsum, lse, O stored from registers, while the next
-    // unit's S_0 runs (chained units) and the producer loads its K/V tiles.
+    // Epilogue: O /= rowsum, lse, O stored (from registers; the producer is
+    // already loading the next tile).
     store_output<Element>(
-        o_rc, cO_rc, row_max, row_sum, row_begin, params.seqlen_q, tidx % 4 == 0,
+        acc_o, o_rc, cO, cO_rc, row_max, row_sum, row_begin, params.seqlen_q, tidx % 4 == 0,
         params.lse + (int64_t(tile.batch) * params.num_heads + tile.head) * params.seqlen_q,
         static_cast<Element*>(params.out) + tile.batch * params.out_batch_stride +
             tile.head * params.out_head_stride,
         params.out_row_stride);
   }  // tile loop
-  warpgroup_wait<0>();  // the dummy Q K^T
 }
 
 template <typename Element, int kHeadDim, bool kBanded, bool kPingPong = true>
@@ -646,8 +597,7 @@ cudaError_t run_flash_fwd_sm90(const FwdParams& params, const LaunchContext& ctx
                     gmem(params.q, shape_q,
                          make_stride(params.q_row_stride, _1{}, params.q_head_stride,
                                      params.q_batch_stride)),
-                    take<0, 2>(typename Traits::SmemLayoutQ{}),
-                    Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}),
+                    typename Traits::SmemLayoutQ{}, Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}),
       make_tma_atom(SM90_TMA_LOAD{},
                     gmem(params.k, shape_k,
                          make_stride(params.k_row_stride, _1{}, params.k_head_stride,

@@ -19,39 +19,20 @@ namespace jflash::cuda::sm90 {
 using namespace cute;
 
 // acc (+)= A B^T over the K mode, issued as one wgmma group (not waited for).
-// zero_init: the first k-step overwrites acc instead of accumulating, so the
-// caller never clears it (a register write to an accumulator while another
-// wgmma is in flight would make ptxas serialize the wgmmas).
-template <typename TiledMma, typename TensorA, typename TensorB, typename TensorAcc>
+// kZeroInit: the first k-step overwrites acc instead of accumulating, so the
+// caller never clears it.
+template <bool kZeroInit, typename TiledMma, typename TensorA, typename TensorB,
+          typename TensorAcc>
 __device__ __forceinline__ void wgmma_issue(TiledMma& tiled_mma, TensorA const& a,
-                                            TensorB const& b, TensorAcc& acc, bool zero_init) {
+                                            TensorB const& b, TensorAcc& acc) {
   warpgroup_fence_operand(acc);
   warpgroup_arrive();
-  tiled_mma.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  if constexpr (kZeroInit) tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
   CUTE_UNROLL
   for (int k = 0; k < size<2>(a); ++k) {
     cute::gemm(tiled_mma, a(_, _, k), b(_, _, k), acc);
     tiled_mma.accumulate_ = GMMA::ScaleOut::One;
   }
-  warpgroup_commit_batch();
-}
-
-template <bool kZeroInit, typename TiledMma, typename TensorA, typename TensorB,
-          typename TensorAcc>
-__device__ __forceinline__ void wgmma_issue(TiledMma& tiled_mma, TensorA const& a,
-                                            TensorB const& b, TensorAcc& acc) {
-  wgmma_issue(tiled_mma, a, b, acc, kZeroInit);
-}
-
-// acc = A B^T over the first k-block only (one wgmma per warpgroup tile): a
-// short stand-in where the caller needs a product in flight, not its result.
-template <typename TiledMma, typename TensorA, typename TensorB, typename TensorAcc>
-__device__ __forceinline__ void wgmma_issue_first_kblock(TiledMma& tiled_mma, TensorA const& a,
-                                                         TensorB const& b, TensorAcc& acc) {
-  warpgroup_fence_operand(acc);
-  warpgroup_arrive();
-  tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-  cute::gemm(tiled_mma, a(_, _, 0), b(_, _, 0), acc);
   warpgroup_commit_batch();
 }
 
