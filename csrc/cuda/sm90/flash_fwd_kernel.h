@@ -278,7 +278,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // kPrefetchTiles tiles before this unit ends. Their real loads start only
     // when a Q buffer and ring slots free up, right before the consumers need
     // them, and Q (read once per unit) and a new head's K/V come from HBM.
+    // Only units of more than kPrefetchMinTiles tiles issue it (H200, bf16,
+    // csrc/cuda/NOTES.md s8): head dim 256 at seq 16k gained 5%, while at seq
+    // 512-1024 the producer's extra work per short unit cost up to 6-8%.
     constexpr int kPrefetchTiles = 4;
+    constexpr int kPrefetchMinTiles = 16;
     auto prefetch_next = [&](int t) {
       const int t_next = next_work(t);
       if (t_next >= num_slots) return;
@@ -307,7 +311,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       FullBarrier::arrive_and_expect_tx(&smem.q_full, Traits::kQBytes);
       copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
       ++q_iter;
-      const int prefetch_at = max(tile.n_tiles - kPrefetchTiles, 0);
+      const int prefetch_at =
+          tile.n_tiles > kPrefetchMinTiles ? tile.n_tiles - kPrefetchTiles : -1;
       for (int i = 0; i < tile.n_tiles; ++i, ++kv_iter) {
         if (i == prefetch_at) prefetch_next(t);
         const Slot slot(kv_iter);
