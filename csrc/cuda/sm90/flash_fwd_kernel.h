@@ -10,7 +10,8 @@
 //     tiles, each buffer guarded by a "full" mbarrier (TMA bytes landed) and
 //     an "empty" mbarrier (every consumer warp is done reading it). It gives
 //     most of its registers away (setmaxnreg), and loads the next tile while
-//     the consumers finish the current one.
+//     the consumers finish the current one; in long units it also prefetches
+//     the next unit's first tiles into L2.
 //   warpgroups 1.., the consumers: 64 query rows each; per key tile
 //       S = Q K^T                 (wgmma, both operands in shared memory)
 //       online softmax of S       (registers; exp2 with the scale folded in)
@@ -276,7 +277,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     };
     // An L2 prefetch of the next unit's Q and first K/V tiles, issued
     // kPrefetchTiles tiles before this unit ends. Their real loads start only
-    // when a Q buffer and ring slots free up, right before the consumers need
+    // when the Q buffer and ring slots free up, right before the consumers need
     // them, and Q (read once per unit) and a new head's K/V come from HBM.
     // Only units of more than kPrefetchMinTiles tiles issue it (H200, bf16,
     // csrc/cuda/NOTES.md s8): head dim 256 at seq 16k gained 5%, while at seq
