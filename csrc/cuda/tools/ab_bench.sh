@@ -8,7 +8,9 @@
 #     bash csrc/cuda/tools/ab_bench.sh
 # Run after device_run.sh's wheel install (needs /tmp/site on PYTHONPATH).
 # AB_PHASE=build or bench runs one half (e.g. build every tree once, then time
-# several pairs with different AB_BENCH).
+# several pairs with different AB_BENCH). Summarize the log with
+# tools/ab_summary.py; use 3 or more rounds at seq <= 1024, where medians move
+# by 5-10% from one round to the next (NOTES.md, s8).
 set -u
 : "${OUT:=/tmp/out}"
 : "${AB_SUBSET:=bf16_hdim128}"
