@@ -1,7 +1,7 @@
 """A small forward + backward run for compute-sanitizer (memcheck, racecheck).
 
 Odd lengths that leave partial tiles at both sequence ends, GQA, one unmasked
-and one banded call (with fully masked rows), both dtypes compiled in:
+and one banded call (with fully masked rows), bfloat16, per head dim given:
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool memcheck \
       python3 -P csrc/cuda/tools/sanitizer_driver.py [--head-dims 128 192 256]
