@@ -104,12 +104,32 @@ def test_against_reference(rng, case, dtype):
     _check_against_reference(rng, case, dtype)
 
 
-def _check_against_reference(rng, case, dtype):
+# A negative or zero softmax_scale: the Hopper forward masks raw scores with a
+# value that the scale's sign sends to -inf, and a zero scale (nothing is sent
+# to -inf) takes a path of its own on masked tiles.
+SCALE_CASES = [
+    (2, 300, 300, 4, 2, 64, -300, 0),  # causal, three consumer warpgroups
+    (2, 300, 300, 4, 2, 128, -300, 0),
+    (1, 383, 513, 4, 2, 128, -200, 100),  # a window cutting tiles on both sides
+    (2, 250, 250, 2, 1, 256, -250, 0),
+    (1, 200, 2049, 2, 1, 128, None, None),  # the sequence end cuts the last tile
+    (1, 130, 190, 2, 2, 64, None, None),
+]
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+@pytest.mark.parametrize("case", SCALE_CASES, ids=_case_id)
+def test_scale_sign_against_reference(rng, case, scale):
+    _check_against_reference(rng, case, jnp.bfloat16, scale=scale)
+
+
+def _check_against_reference(rng, case, dtype, scale=None):
     """out, lse and the three gradients within the 2x rule; masked rows exact."""
     b, sq, sk, h, hkv, d, lo, hi = case
     if lo is None:
         lo, hi = -sq, sk
-    scale = 1.0 / np.sqrt(d)
+    if scale is None:
+        scale = 1.0 / np.sqrt(d)
     q = jnp.asarray(rng.standard_normal((b, sq, h, d)), dtype)
     k = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
     v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)

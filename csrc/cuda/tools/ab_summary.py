@@ -5,7 +5,8 @@ quick_bench.py per tree in rounds), one row per configuration.
 
 Input: header lines "== <tree> (round N)" (or "== <tree> round N") followed by
 quick_bench.py rows "<mode> <causal> <head_dim> <seq> <ms> <TFLOP/s> [<ms>
-<TFLOP/s> of cuDNN]". Output: each tree's median TFLOP/s, its ratio to the base
+<TFLOP/s> of cuDNN]" or benchmarks/gpu_benchmark.py progress lines
+"[  1.2s] D64 S512 B32 H32 causal fwd    jflash   165.5 TFLOP/s ...". Output: each tree's median TFLOP/s, its ratio to the base
 tree, and the spread (max / min - 1) of the base's rounds. On the H200 the
 spread reached 5-10% at seq 512-1024 and ~2% at 16k (csrc/cuda/NOTES.md, s8):
 a ratio inside the base's spread is not a result.
@@ -27,6 +28,13 @@ def parse(path):
         header = re.match(r"==\s+(\S+)\s+\(?round", line)
         if header:
             tree = header.group(1)
+            continue
+        bench = re.match(r"\[\s*[\d.]+s\]\s+D(\d+)\s+S(\d+)\s+B\d+\s+H\d+\s+(causal|full)\s+"
+                         r"(\S+)\s+(jflash|cudnn)\s+([\d.]+) TFLOP/s", line)
+        if bench and tree is not None:
+            d, seq, mask, mode, impl, rate = bench.groups()
+            config = (mode, int(d), mask == "causal", int(seq))
+            (runs[tree, config] if impl == "jflash" else cudnn[config]).append(float(rate))
             continue
         fields = line.split()
         if tree is None or len(fields) < 6 or fields[0] not in ("fwd", "fwdbwd"):
