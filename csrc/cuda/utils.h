@@ -141,20 +141,17 @@ __device__ __forceinline__ void copy_rows(TiledCopy const& tiled_copy, TensorG c
   }
 }
 
-// The forward epilogue, shared by the sm80 and the Hopper kernels: O /= rowsum
-// and lse = max + ln(sum) (natural log; row_max is in the log2 domain) for the
-// query rows this thread holds, then O stored in half precision. A row that saw
-// no key has sum 0 and gets O = 0, lse = -inf. o_rc and c_o_rc view the output
+// The forward epilogue's arithmetic, shared by the sm80 and the Hopper
+// kernels: O /= rowsum and lse = max + ln(sum) (natural log; row_max is in the
+// log2 domain) for the query rows this thread holds. A row that saw no key has
+// sum 0 and gets O = 0, lse = -inf. o_rc and c_o_rc view the output
 // accumulator and its (row, col) coordinates as (rows, cols); rows at or past
-// seqlen_q are not stored; writes_lse picks one thread of the quad per row.
-template <typename Element, int kRows, typename AccO, typename AccORowCol, typename CoordO,
-          typename CoordORowCol>
-__device__ __forceinline__ void store_output(AccO const& acc_o, AccORowCol& o_rc,
-                                             CoordO const& c_o, CoordORowCol const& c_o_rc,
-                                             float const (&row_max)[kRows],
-                                             float const (&row_sum)[kRows], int row_begin,
-                                             int seqlen_q, bool writes_lse, float* lse_ptr,
-                                             Element* out_ptr, int64_t out_row_stride) {
+// seqlen_q get no lse; writes_lse picks one thread of the quad per row.
+template <int kRows, typename AccORowCol, typename CoordORowCol>
+__device__ __forceinline__ void normalize_output(AccORowCol& o_rc, CoordORowCol const& c_o_rc,
+                                                 float const (&row_max)[kRows],
+                                                 float const (&row_sum)[kRows], int row_begin,
+                                                 int seqlen_q, bool writes_lse, float* lse_ptr) {
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     const float sum = quad_allreduce(row_sum[r], SumOp{});
@@ -166,6 +163,19 @@ __device__ __forceinline__ void store_output(AccO const& acc_o, AccORowCol& o_rc
       lse_ptr[row] = sum > 0.f ? row_max[r] * float(M_LN2) + logf(sum) : -INFINITY;
     }
   }
+}
+
+// normalize_output, then O stored in half precision straight from registers
+// (rows at or past seqlen_q are not stored).
+template <typename Element, int kRows, typename AccO, typename AccORowCol, typename CoordO,
+          typename CoordORowCol>
+__device__ __forceinline__ void store_output(AccO const& acc_o, AccORowCol& o_rc,
+                                             CoordO const& c_o, CoordORowCol const& c_o_rc,
+                                             float const (&row_max)[kRows],
+                                             float const (&row_sum)[kRows], int row_begin,
+                                             int seqlen_q, bool writes_lse, float* lse_ptr,
+                                             Element* out_ptr, int64_t out_row_stride) {
+  normalize_output(o_rc, c_o_rc, row_max, row_sum, row_begin, seqlen_q, writes_lse, lse_ptr);
   Tensor o = convert_fragment<Element>(acc_o);
   // Fragment elements 2i, 2i+1 are adjacent columns of one row: 4-byte stores.
   CUTE_UNROLL

@@ -16,6 +16,8 @@
 //       S = Q K^T                 (wgmma, both operands in shared memory)
 //       online softmax of S       (registers; exp2 with the scale folded in)
 //       O = O * correction + P V  (wgmma, P from registers, V from shared memory)
+//     and at the end of a tile O / rowsum goes through shared memory to a
+//     TMA store (head dims 64, 128) while the next tile starts.
 //
 // Two overlaps keep the tensor cores busy while the (slower) exp unit works:
 //   intra-warpgroup: step j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1}
@@ -110,14 +112,49 @@ struct FwdTraits {
   using TmaV = Tma<GmemStrideTransposed, decltype(take<0, 2>(SmemLayoutVt{})),
                    Shape<Int<kHeadDim>, Int<kBlockN>>>;
 
+  // The global shapes the TMA descriptors are built for (host) and indexed
+  // with (device).
+  CUTE_HOST_DEVICE static auto shape_q(const FwdParams& p) {
+    return make_shape(p.seqlen_q, int32_t{kHeadDim}, p.num_heads, p.batch);
+  }
+  CUTE_HOST_DEVICE static auto shape_k(const FwdParams& p) {
+    return make_shape(p.seqlen_k, int32_t{kHeadDim}, p.num_heads_kv, p.batch);
+  }
+  CUTE_HOST_DEVICE static auto shape_vt(const FwdParams& p) {
+    return make_shape(int32_t{kHeadDim}, p.seqlen_k, p.num_heads_kv, p.batch);
+  }
+
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+
+  // The epilogue stages O in shared memory, one 64-row slab per consumer
+  // warpgroup (stmatrix from registers), and stores each slab with one TMA
+  // copy, where the slabs fit beside Q and the ring (head dims 64 and 128;
+  // head dim 256 stores from registers). Measured against 4-byte stores from
+  // registers (H200, csrc/cuda/NOTES.md s9): head dim 128 +20% at seq 512,
+  // +2-5% at 4k-16k; head dim 64 +5-11% up to seq 2048.
+  using SmemLayoutO = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                             Shape<_64, Int<kHeadDim>, Int<kConsumerWarpgroups>>{}));
+  static constexpr uint32_t kOBytes = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr bool kSmemEpilogue =
+      kQBytes + 2 * kStages * kKVBytes + kOBytes + 1024 <= 227 * 1024;
+  using TmaO = decltype(make_tma_atom(
+      SM90_TMA_STORE{},
+      make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{}, GmemStrideRowMajor{}),
+      take<0, 2>(SmemLayoutO{}), Shape<_64, Int<kHeadDim>>{}));
+  // stmatrix of one warpgroup's 64 x head_dim accumulator.
+  using SmemCopyO = decltype(make_tiled_copy_C(
+      Copy_Atom<SM90_U32x4_STSM_N, Element>{},
+      make_tiled_mma(GMMA::rs_op_selector<Element, Element, float,
+                                          Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
+                                          GMMA::Major::MN>())));
 
   struct SharedStorage {
     // 1024-byte alignment: the period of the 128-byte swizzle.
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutVt>> v;
+    alignas(1024) cute::ArrayEngine<Element, kSmemEpilogue ? cosize_v<SmemLayoutO> : 1> o;
     alignas(8) uint64_t q_full;
     uint64_t q_empty;
     uint64_t k_full[kStages];
@@ -137,6 +174,7 @@ struct FwdArgs {
   typename Traits::TmaQ tma_q;
   typename Traits::TmaK tma_k;
   typename Traits::TmaV tma_v;
+  typename Traits::TmaO tma_o;  // used where Traits::kSmemEpilogue
 };
 
 // Ring position of the i-th K/V tile: buffer and the mbarrier phase parity
@@ -253,12 +291,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
     if (threadIdx.x / 32 != 0 || !cute::elect_one_sync()) return;
 
-    const auto shape_q = make_shape(params.seqlen_q, kHeadDim, params.num_heads, params.batch);
-    const auto shape_k = make_shape(params.seqlen_k, kHeadDim, params.num_heads_kv, params.batch);
-    const auto shape_vt = make_shape(kHeadDim, params.seqlen_k, params.num_heads_kv, params.batch);
-    Tensor mQ = args.tma_q.get_tma_tensor(shape_q);
-    Tensor mK = args.tma_k.get_tma_tensor(shape_k);
-    Tensor mVt = args.tma_v.get_tma_tensor(shape_vt);
+    Tensor mQ = args.tma_q.get_tma_tensor(Traits::shape_q(params));
+    Tensor mK = args.tma_k.get_tma_tensor(Traits::shape_k(params));
+    Tensor mVt = args.tma_v.get_tma_tensor(Traits::shape_vt(params));
     // (TMA) for Q; (TMA, n_block) and (TMA, stage) for K and V.
     auto partition = [&](const Tile& tile) {
       const int kv_head = tile.head / params.heads_per_kv;
@@ -518,6 +553,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
+  // The epilogue's slab of this warpgroup, its stmatrix partition, and the
+  // global output (kSmemEpilogue).
+  constexpr uint32_t kEpilogueBarrier = kFirstBarrier + 2;  // + consumer
+  const bool store_leader = tidx % 128 == 0;
+  Tensor sO = make_tensor(make_smem_ptr(smem.o.begin()), typename Traits::SmemLayoutO{})(_, _, consumer);
+  typename Traits::SmemCopyO smem_copy_o;
+  auto thr_copy_o = smem_copy_o.get_thread_slice(tidx % 128);
+  Tensor tOsO = thr_copy_o.partition_D(sO);
+  Tensor mO = args.tma_o.get_tma_tensor(Traits::shape_q(params));
   int kv_iter = 0;  // K/V tiles consumed so far: position in the ring
   int q_iter = 0;   // Q tiles consumed so far
   for (int t = first_slot; t < num_slots; t = next_slot(t)) {
@@ -615,15 +659,39 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       ++q_iter;
     }
 
-    // Epilogue: O /= rowsum, lse, O stored (from registers; the producer is
-    // already loading the next tile).
-    store_output<Element>(
-        acc_o, o_rc, cO, cO_rc, row_max, row_sum, row_begin, params.seqlen_q, tidx % 4 == 0,
-        params.lse + (int64_t(tile.batch) * params.num_heads + tile.head) * params.seqlen_q,
-        static_cast<Element*>(params.out) + tile.batch * params.out_batch_stride +
-            tile.head * params.out_head_stride,
-        params.out_row_stride);
+    // Epilogue: O /= rowsum and lse, then O stored (the producer is already
+    // loading the next tile).
+    float* lse_ptr = params.lse + (int64_t(tile.batch) * params.num_heads + tile.head) * params.seqlen_q;
+    if constexpr (Traits::kSmemEpilogue) {
+      normalize_output(o_rc, cO_rc, row_max, row_sum, row_begin, params.seqlen_q, tidx % 4 == 0,
+                       lse_ptr);
+      Tensor o = convert_fragment<Element>(acc_o);
+      // The warpgroup's previous TMA store must have read the slab before it
+      // is overwritten; TMA clips the rows past seqlen_q.
+      if (store_leader) tma_store_wait<0>();
+      cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + consumer);
+      copy(smem_copy_o, thr_copy_o.retile_S(o), tOsO);
+      tma_store_fence();  // the slab's generic-proxy writes, visible to TMA
+      cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + consumer);
+      if (store_leader) {
+        Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), Shape<_64, Int<kHeadDim>>{},
+                               make_coord(row_begin / 64 + consumer, 0));
+        auto [tOgO, tOsO_tma] = tma_partition(args.tma_o, Int<0>{}, Layout<_1>{},
+                                              group_modes<0, 2>(sO), group_modes<0, 2>(gO));
+        copy(args.tma_o, tOsO_tma, tOgO);
+        tma_store_arrive();
+      }
+    } else {
+      store_output<Element>(acc_o, o_rc, cO, cO_rc, row_max, row_sum, row_begin, params.seqlen_q,
+                            tidx % 4 == 0, lse_ptr,
+                            static_cast<Element*>(params.out) + tile.batch * params.out_batch_stride +
+                                tile.head * params.out_head_stride,
+                            params.out_row_stride);
+    }
   }  // tile loop
+  if constexpr (Traits::kSmemEpilogue) {
+    if (store_leader) tma_store_wait<0>();  // shared memory must outlive the last store's reads
+  }
 }
 
 template <typename Element, int kHeadDim, bool kBanded, bool kPingPong = true>
@@ -632,9 +700,9 @@ cudaError_t run_flash_fwd_sm90(const FwdParams& params, const LaunchContext& ctx
   auto gmem = [](const void* ptr, auto shape, auto stride) {
     return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), shape, stride);
   };
-  const auto shape_q = make_shape(params.seqlen_q, kHeadDim, params.num_heads, params.batch);
-  const auto shape_k = make_shape(params.seqlen_k, kHeadDim, params.num_heads_kv, params.batch);
-  const auto shape_vt = make_shape(kHeadDim, params.seqlen_k, params.num_heads_kv, params.batch);
+  const auto shape_q = Traits::shape_q(params);
+  const auto shape_k = Traits::shape_k(params);
+  const auto shape_vt = Traits::shape_vt(params);
   FwdArgs<Traits> args{
       params,
       make_tma_atom(SM90_TMA_LOAD{},
@@ -654,6 +722,11 @@ cudaError_t run_flash_fwd_sm90(const FwdParams& params, const LaunchContext& ctx
                                      params.v_batch_stride)),
                     take<0, 2>(typename Traits::SmemLayoutVt{}),
                     Shape<Int<kHeadDim>, Int<Traits::kBlockN>>{}),
+      make_tma_atom(SM90_TMA_STORE{},
+                    make_tensor(make_gmem_ptr(static_cast<Element*>(params.out)), shape_q,
+                                make_stride(params.out_row_stride, _1{}, params.out_head_stride,
+                                            params.out_batch_stride)),
+                    take<0, 2>(typename Traits::SmemLayoutO{}), Shape<_64, Int<kHeadDim>>{}),
   };
   auto kernel = &flash_fwd_sm90_kernel<Traits, kBanded>;
   constexpr int kSmemBytes = Traits::kSmemBytes;
