@@ -75,6 +75,10 @@ CASES = [
     (4, 1000, 777, 16, 16, 64, None, None),  # a last block with one warpgroup's rows
     (4, 1200, 500, 16, 4, 64, -1200, 500 - 1200),  # rows 0..699 see nothing
     (3, 1000, 1000, 16, 8, 256, -1000, 0),
+    # Head dim 64 under a band with both lengths <= 1024 runs 128-row tiles on
+    # two ping-pong consumers (sm90_fwd_tile_short_band); longer ones above.
+    (4, 1000, 1000, 16, 4, 64, -1000, 0),  # causal, many units
+    (2, 700, 1024, 8, 8, 64, -300, 1024 - 700 + 20),  # window; a last block of 60 rows
 ]
 
 

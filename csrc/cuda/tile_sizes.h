@@ -188,4 +188,19 @@ constexpr Sm90FwdTile sm90_fwd_tile(int head_dim) {
   }
 }
 
+// Banded calls with short rows (seqlen_q and seqlen_k at most
+// kSm90ShortBandMaxLen) of a head dim with an entry here take this tile
+// instead. Head dim 64 on 128 x 128 tiles with two ping-pong consumers wastes
+// less of the diagonal and ends units sooner than 192 x 128 on three (H200,
+// causal, against 192 x 128: +5% at seq 512, +9% at 1024, -1% at 2048, -8% at
+// 16k; csrc/cuda/NOTES.md s9). Its shared memory must not exceed the main
+// tile's (the launcher asserts it), which is the size a build reports.
+constexpr int kSm90ShortBandMaxLen = 1024;
+constexpr Sm90FwdTile sm90_fwd_tile_short_band(int head_dim) {
+  switch (head_dim) {
+    case 64: return {128, 128, 2};  // 96 KB with the output slabs
+    default: return {0, 0, 0};
+  }
+}
+
 }  // namespace jflash::cuda

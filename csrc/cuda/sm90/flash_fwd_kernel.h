@@ -56,11 +56,13 @@ namespace jflash::cuda::sm90 {
 
 using namespace cute;
 
-template <typename Element_, int kHeadDim_, bool kPingPong_ = true>
+// kShortBand: the tile of sm90_fwd_tile_short_band (banded calls on short rows).
+template <typename Element_, int kHeadDim_, bool kPingPong_ = true, bool kShortBand = false>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr Sm90FwdTile kTile = sm90_fwd_tile(kHeadDim);
+  static constexpr Sm90FwdTile kTile =
+      kShortBand ? sm90_fwd_tile_short_band(kHeadDim) : sm90_fwd_tile(kHeadDim);
   static_assert(kTile.block_m > 0, "no sm90 forward tile for this head dim");
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
@@ -166,7 +168,7 @@ struct FwdTraits {
   static_assert(kSmemBytes <= 227 * 1024);
 };
 
-// The kernel's parameters: the plain FwdParams plus the three TMA descriptors
+// The kernel's parameters: the plain FwdParams plus the four TMA descriptors
 // built from them on the host (passed by value, as __grid_constant__).
 template <typename Traits>
 struct FwdArgs {
@@ -694,9 +696,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
 }
 
-template <typename Element, int kHeadDim, bool kBanded, bool kPingPong = true>
-cudaError_t run_flash_fwd_sm90(const FwdParams& params, const LaunchContext& ctx) {
-  using Traits = FwdTraits<Element, kHeadDim, kPingPong>;
+template <typename Traits, bool kBanded>
+cudaError_t launch_flash_fwd_sm90(const FwdParams& params, const LaunchContext& ctx) {
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim;
   auto gmem = [](const void* ptr, auto shape, auto stride) {
     return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), shape, stride);
   };
@@ -757,6 +760,21 @@ cudaError_t run_flash_fwd_sm90(const FwdParams& params, const LaunchContext& ctx
   const dim3 grid(static_cast<unsigned>(num_ctas));
   kernel<<<grid, Traits::kNThreads, kSmemBytes, ctx.stream>>>(args);
   return cudaGetLastError();
+}
+
+// The entry point of the registry: the head dim's tile, or under a band on
+// short rows the short-band tile where the head dim has one.
+template <typename Element, int kHeadDim, bool kBanded, bool kPingPong = true>
+cudaError_t run_flash_fwd_sm90(const FwdParams& params, const LaunchContext& ctx) {
+  if constexpr (kBanded && sm90_fwd_tile_short_band(kHeadDim).block_m > 0) {
+    using Short = FwdTraits<Element, kHeadDim, kPingPong, /*kShortBand=*/true>;
+    static_assert(Short::kSmemBytes <= FwdTraits<Element, kHeadDim, kPingPong>::kSmemBytes,
+                  "the registry reports the main tile's shared memory");
+    if (params.seqlen_q <= kSm90ShortBandMaxLen && params.seqlen_k <= kSm90ShortBandMaxLen) {
+      return launch_flash_fwd_sm90<Short, kBanded>(params, ctx);
+    }
+  }
+  return launch_flash_fwd_sm90<FwdTraits<Element, kHeadDim, kPingPong>, kBanded>(params, ctx);
 }
 
 }  // namespace jflash::cuda::sm90

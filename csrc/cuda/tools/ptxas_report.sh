@@ -34,8 +34,10 @@ printf '%s\n' "${files[@]}" | xargs -P "${JOBS:-2}" -I{} bash -c 'compile {}'
 status=0
 for f in "${files[@]}"; do
   name=$(basename "$f" .cu); log="$out/$name.log"
-  regs=$(grep -o 'Used [0-9]* registers' "$log" | tail -1)
-  spill=$(grep -o '[0-9]* bytes spill stores, [0-9]* bytes spill loads' "$log" | tail -1)
+  # A file may hold several kernels (e.g. a second tile): all register counts,
+  # the largest spill.
+  regs=$(grep -o 'Used [0-9]*' "$log" | awk '{print $2}' | paste -sd/ | sed 's/^/Used /; s/$/ registers/')
+  spill=$(grep -o '[0-9]* bytes spill stores, [0-9]* bytes spill loads' "$log" | sort -n | tail -1)
   flags=$(grep -o 'C75[0-9][0-9]' "$log" | sort -u | tr '\n' ' ')
   printf '%-44s %-22s %-40s %s\n' "$name" "$regs" "$spill" "${flags:-}"
   grep -q 'compile failed' "$log" && { tail -20 "$log"; status=1; }
