@@ -112,7 +112,8 @@ def test_against_reference(rng, case, dtype):
 # value that the scale's sign sends to -inf, and a zero scale (nothing is sent
 # to -inf) takes a path of its own on masked tiles.
 SCALE_CASES = [
-    (2, 300, 300, 4, 2, 64, -300, 0),  # causal, three consumer warpgroups
+    (1, 1100, 1100, 4, 2, 64, -1100, 0),  # causal past 1024: three consumer warpgroups
+    (2, 300, 300, 4, 2, 64, -300, 0),  # causal, the short-band tile (two consumers)
     (2, 300, 300, 4, 2, 128, -300, 0),
     (1, 383, 513, 4, 2, 128, -200, 100),  # a window cutting tiles on both sides
     (2, 250, 250, 2, 1, 256, -250, 0),

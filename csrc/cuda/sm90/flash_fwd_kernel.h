@@ -84,10 +84,10 @@ struct FwdTraits {
       WarpgroupLayout{}));
   // O += P V: M = block_m, N = head_dim, K = block_n; P from registers, V^T
   // read MN-major (head_dim contiguous, as V is stored).
-  using TiledMmaPV = decltype(make_tiled_mma(
+  using MmaPVAtom = decltype(
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
-      WarpgroupLayout{}));
+                           GMMA::Major::K, GMMA::Major::MN>());
+  using TiledMmaPV = decltype(make_tiled_mma(MmaPVAtom{}, WarpgroupLayout{}));
 
   // 128-byte swizzled layouts that both TMA and wgmma understand.
   using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
@@ -145,11 +145,8 @@ struct FwdTraits {
       make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{}, GmemStrideRowMajor{}),
       take<0, 2>(SmemLayoutO{}), Shape<_64, Int<kHeadDim>>{}));
   // stmatrix of one warpgroup's 64 x head_dim accumulator.
-  using SmemCopyO = decltype(make_tiled_copy_C(
-      Copy_Atom<SM90_U32x4_STSM_N, Element>{},
-      make_tiled_mma(GMMA::rs_op_selector<Element, Element, float,
-                                          Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
-                                          GMMA::Major::MN>())));
+  using SmemCopyO = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{},
+                                               make_tiled_mma(MmaPVAtom{})));
 
   struct SharedStorage {
     // 1024-byte alignment: the period of the 128-byte swizzle.
@@ -443,7 +440,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
   constexpr float kRescaleSlack = 8.f;
   // Masking works on the raw scores, before the scale: a hidden score becomes
-  // kHidden, which the scale sends to -inf (scale > 0) or the min-reduction
+  // hidden_score, which the scale sends to -inf (scale > 0) or the min-reduction
   // skips (scale < 0), so masked and unmasked tiles share the one-FFMA
   // exponent below. A zero scale cannot send anything to -inf; its masked
   // tiles hold the scaled scores (0 or -inf) and take the exponent with scale 1.
@@ -453,7 +450,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // cut tile (five instructions each; H200, head dim 64 causal): +13% at seq
   // 512, +9% at 1024, +8% at 2048 (csrc/cuda/NOTES.md, s9).
   const bool zero_scale = params.softmax_scale_log2 == 0.f;
-  const float kHidden = params.softmax_scale_log2 >= 0.f ? -INFINITY : INFINITY;
+  const float hidden_score = params.softmax_scale_log2 >= 0.f ? -INFINITY : INFINITY;
   auto softmax_step = [&](int n_block, float (&correction)[kRows]) {
     const float scale = params.softmax_scale_log2;
     const int key0 = n_block * kBlockN;
@@ -486,13 +483,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           CUTE_UNROLL
           for (int c = 0; c < kCols; ++c) {
             const int dc = get<1>(cS_rc(r, c)) - col0;
-            s_rc(r, c) = dc >= lo && dc < hi ? s_rc(r, c) : kHidden;
+            s_rc(r, c) = dc >= lo && dc < hi ? s_rc(r, c) : hidden_score;
           }
         } else {
           CUTE_UNROLL
           for (int c = 0; c < kCols; ++c) {
             const int dc = get<1>(cS_rc(r, c)) - col0;
-            s_rc(r, c) = dc < hi ? s_rc(r, c) : kHidden;
+            s_rc(r, c) = dc < hi ? s_rc(r, c) : hidden_score;
           }
         }
       }
