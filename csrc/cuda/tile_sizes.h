@@ -164,12 +164,15 @@ struct Sm90FwdTile {
   int block_m;  // query rows per CTA: 64 per consumer warpgroup
   int block_n;  // key rows per step (the N of S = Q K^T, the K of O += P V)
   int stages;   // K/V ring depth
+  bool q_in_registers = false;  // Q K^T reads Q from registers, not shared memory
 };
 
-// smem = (block_m + 2 * stages * block_n) * head_dim * 2 bytes (<= 227 KB).
+// smem = (block_m + 2 * stages * block_n) * head_dim * 2 bytes (<= 227 KB),
+// plus the output slabs where they fit (sm90/flash_fwd_kernel.h).
 // registers per consumer thread: block_n / 2 score floats + head_dim / 2
-// output floats + block_n / 4 words of P, under the setmaxnreg budget (240
-// with two consumer warpgroups, 160 with three).
+// output floats + block_n / 4 words of P (+ head_dim / 4 words of Q with
+// q_in_registers), under the setmaxnreg budget (240 with two consumer
+// warpgroups, 160 with three).
 constexpr Sm90FwdTile sm90_fwd_tile(int head_dim) {
   switch (head_dim) {
     // Head dim 64: the products are half as long as at 128 while the softmax
@@ -179,8 +182,11 @@ constexpr Sm90FwdTile sm90_fwd_tile(int head_dim) {
     case 64: return {192, 128, 2};   // 88 KB
     // Head dim 128 (H200, unmasked, seq 4k / 16k): 128x128 with 2 stages
     // 560 / 604 TFLOP/s; 3 stages 563 / 602 (the loads are not what limits);
-    // 128x192 535 / 593; 128x176 419 / 468.
-    case 128: return {128, 128, 2};  // 160 KB
+    // 128x192 535 / 593. 128x176 (needs CuTe's extended wgmma shapes, else
+    // it runs 64x16 atoms at -25%) measured within +-3% of 128x128 at 16k and
+    // -5% at 4k, where a 176-key grid wastes 3% on its last tile. Q in
+    // registers: +1-2% (s10; csrc/cuda/NOTES.md).
+    case 128: return {128, 128, 2, true};  // 160 KB
     // Head dim 256: 128 output floats per thread leave room for a 64-key
     // score tile only; 2 stages 596 / 673, 3 stages 600 / 667.
     case 256: return {128, 64, 2};   // 192 KB

@@ -13,7 +13,8 @@
 //     the consumers finish the current one; in long units it also prefetches
 //     the next unit's first tiles into L2.
 //   warpgroups 1.., the consumers: 64 query rows each; per key tile
-//       S = Q K^T                 (wgmma, both operands in shared memory)
+//       S = Q K^T                 (wgmma, K from shared memory, Q too or, where
+//                                  the tile table says so, from registers)
 //       online softmax of S       (registers; exp2 with the scale folded in)
 //       O = O * correction + P V  (wgmma, P from registers, V from shared memory)
 //     and at the end of a tile O / rowsum goes through shared memory to a
@@ -79,8 +80,17 @@ struct FwdTraits {
   // Consumer warpgroups tile the M mode: warpgroup w owns rows [64 w, 64 w + 64).
   using WarpgroupLayout = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
   // S = Q K^T: M = block_m, N = block_n, K = head_dim; both operands K-major.
+  // kQInRegisters (the tile table's q_in_registers): each consumer loads its
+  // 64 Q rows into registers once per tile (ldmatrix) and the products read
+  // them there, so shared memory serves only K to the Q K^T products, and the
+  // Q buffer is free for the next tile's load as soon as every consumer has
+  // its copy.
+  static constexpr bool kQInRegisters = kTile.q_in_registers;
+  using MmaQKShape = Shape<_64, Int<kBlockN>, Int<kHeadDim>>;
   using TiledMmaQK = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      std::conditional_t<kQInRegisters,
+                         decltype(GMMA::rs_op_selector<Element, Element, float, MmaQKShape>()),
+                         decltype(GMMA::ss_op_selector<Element, Element, float, MmaQKShape>())>{},
       WarpgroupLayout{}));
   // O += P V: M = block_m, N = head_dim, K = block_n; P from registers, V^T
   // read MN-major (head_dim contiguous, as V is stored).
@@ -94,9 +104,13 @@ struct FwdTraits {
                                              Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                              Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
-  // V stored as V^T tiles (head_dim x block_n), head_dim contiguous.
+  // V stored as V^T tiles (head_dim x block_n), head_dim contiguous. The
+  // swizzle atoms (64 head-dim columns x 8 keys) run along the keys first, so
+  // that each 64-column slice of a tile is one contiguous TMA box (two copies
+  // per tile at head dim 128, instead of one per 8 keys and slice: 32).
   using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                              Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
+                                              Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                              Step<_2, _1, _3>{}));
 
   // Global views that the TMA descriptors are built from, [seq, head_dim, heads,
   // batch] (and [head_dim, seq, heads, batch] for V^T); strides in elements.
@@ -372,9 +386,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   typename Traits::TiledMmaPV mma_pv;
   auto thr_qk = mma_qk.get_thread_slice(tidx);
   auto thr_pv = mma_pv.get_thread_slice(tidx);
-  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // smem descriptors
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // smem descriptors, or registers
   Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+  // kQInRegisters: the ldmatrix copy of this thread's Q fragment.
+  auto smem_copy_q = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma_qk);
+  auto smem_thr_copy_q = smem_copy_q.get_thread_slice(tidx);
+  Tensor tQsQ = smem_thr_copy_q.partition_S(sQ);
 
   Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
   Tensor acc_o = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
@@ -592,6 +610,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (consumer == 1) cutlass::arch::NamedBarrier::arrive(kPairThreads, kFirstBarrier);
       }
       FullBarrier::wait(&smem.q_full, q_iter & 1);
+      if constexpr (Traits::kQInRegisters) {
+        // The previous tile's Q K^T products are complete (warpgroup_wait<0>
+        // of its last step), so its Q registers may be overwritten.
+        warpgroup_fence_operand(tSrQ);
+        copy(smem_copy_q, tQsQ, smem_thr_copy_q.retile_D(tSrQ));
+        warpgroup_fence_operand(tSrQ);
+        release(&smem.q_empty);
+      }
 
       // Step 0: S_0 only.
       {
@@ -603,7 +629,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_s);
         release(&smem.k_empty[slot.stage]);
-        if (n_tiles == 1) release(&smem.q_empty);  // the tile's last Q K^T is done
+        // The tile's last Q K^T is done.
+        if (!Traits::kQInRegisters && n_tiles == 1) release(&smem.q_empty);
         float correction[kRows];
         softmax_step(n_block_begin, correction);
         convert_p();
@@ -621,7 +648,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         warpgroup_wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
         warpgroup_fence_operand(acc_s);
         release(&smem.k_empty[slot.stage]);
-        if (i == n_tiles - 1) release(&smem.q_empty);  // the tile's last Q K^T is done
+        // The tile's last Q K^T is done.
+        if (!Traits::kQInRegisters && i == n_tiles - 1) release(&smem.q_empty);
         float correction[kRows];
         softmax_step(n_block_begin + i, correction);
         warpgroup_wait<0>();

@@ -1,8 +1,8 @@
 #!/bin/bash
 # Compiles kernel instantiations here (no GPU needed) with ptxas's resource
 # report and prints, per file, registers, spills and any wgmma warning. Exits 1
-# when ptxas serializes wgmma (C7514 / C7515: every wgmma of the kernel then
-# waits for the one before, a silent 2x slowdown that no test catches) or
+# when ptxas serializes wgmma (C7511 / C7514 / C7515: every wgmma of the kernel
+# then waits for the one before, a silent 2x slowdown that no test catches) or
 # injects a wgmma wait (C7517). Read csrc/cuda/NOTES.md (s8) for what causes them.
 #   bash csrc/cuda/tools/ptxas_report.sh [arch] [name fragment ...]
 #   bash csrc/cuda/tools/ptxas_report.sh 90a fwd_sm90_bf16       # the default
@@ -41,7 +41,7 @@ for f in "${files[@]}"; do
   flags=$(grep -o 'C75[0-9][0-9]' "$log" | sort -u | tr '\n' ' ')
   printf '%-44s %-22s %-40s %s\n' "$name" "$regs" "$spill" "${flags:-}"
   grep -q 'compile failed' "$log" && { tail -20 "$log"; status=1; }
-  grep -qE 'C751[457]' "$log" && status=1
+  grep -qE 'C751[1457]' "$log" && status=1
 done
 rm -rf "$out"
 exit $status
