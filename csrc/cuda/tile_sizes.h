@@ -183,9 +183,9 @@ constexpr Sm90FwdTile sm90_fwd_tile(int head_dim) {
     // Head dim 128 (H200, unmasked, seq 4k / 16k): 128x128 with 2 stages
     // 560 / 604 TFLOP/s; 3 stages 563 / 602 (the loads are not what limits);
     // 128x192 535 / 593. 128x176 (needs CuTe's extended wgmma shapes, else
-    // it runs 64x16 atoms at -25%) measured within +-3% of 128x128 at 16k and
-    // -5% at 4k, where a 176-key grid wastes 3% on its last tile. Q in
-    // registers: +1-2% (s10; csrc/cuda/NOTES.md).
+    // it runs 64x16 atoms at -25%) measured level with 128x128 at 16k (per
+    // round -4% to +3%) and -7% at 4k, where a 176-key grid wastes 3% on its
+    // last tile. Q in registers: +1-2% (s10; csrc/cuda/NOTES.md).
     case 128: return {128, 128, 2, true};  // 160 KB
     // Head dim 256: 128 output floats per thread leave room for a 64-key
     // score tile only; 2 stages 596 / 673, 3 stages 600 / 667.
