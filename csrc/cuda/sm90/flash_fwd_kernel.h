@@ -514,8 +514,36 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     // The row max of scale * s is scale * max(s) (scale * min(s) for a
     // negative scale), and each exponent is one FFMA, scale * s - max, saving a
-    // multiply per score. Each phase below handles all rows at once, without
-    // branches inside, so that the rows' dependency chains interleave.
+    // multiply per score.
+    //
+    // fold_row(r, tile_max, s_scale) folds row r into the running max and sum:
+    // Lazy rescaling: the running max moves only when the tile exceeds it by
+    // more than kRescaleSlack (log2 units). Otherwise the exponents of this
+    // tile are taken against the stale max (values up to 2^slack, far from
+    // overflow in P and the float32 sums) and O keeps its scale: the result is
+    // the same, since O and the row sum share one reference max and lse = max
+    // + log(sum). On most tiles no row moves, and the warp skips the O rescale.
+    auto fold_row = [&](int r, float tile_max, float s_scale) {
+      const float m = tile_max > row_max[r] + kRescaleSlack ? tile_max : row_max[r];
+      // A row with no visible key yet keeps m = -inf; subtract 0 instead so
+      // that exp2(-inf - -inf) never makes a NaN.
+      const float m_safe = m == -INFINITY ? 0.f : m;
+      correction[r] = m == row_max[r] ? 1.f : fast_exp2(row_max[r] - m_safe);
+      row_max[r] = m;
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) s_rc(r, c) = fast_exp2(fmaf(s_rc(r, c), s_scale, -m_safe));
+      row_sum[r] = row_sum[r] * correction[r] + row_reduce(r, SumOp{});
+    };
+    if (!needs_mask && scale > 0.f) {
+      // The common tile, one row after the other without branches: the
+      // scheduler fills the exponent unit's gaps in one row with the next
+      // row's max reduction, which otherwise runs alone before any exponent.
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        fold_row(r, quad_allreduce(row_reduce(r, MaxOp{}), MaxOp{}) * scale, scale);
+      }
+      return;
+    }
     const bool prescaled = needs_mask && zero_scale;
     float row_ext[kRows];  // tile_max = ext_scale * row_ext after the quad reduction
     float ext_scale;
@@ -528,36 +556,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) row_ext[r] = -row_reduce(r, MinOp{});
     }
-    const float s_scale = prescaled ? 1.f : scale;
-    float m_safe[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      // Lazy rescaling: the running max moves only when the tile exceeds it
-      // by more than kRescaleSlack (log2 units). Otherwise the exponents of
-      // this tile are taken against the stale max (values up to 2^slack, far
-      // from overflow in P and the float32 sums) and O keeps its scale: the
-      // result is the same, since O and the row sum share one reference max
-      // and lse = max + log(sum). On most tiles no row moves, and the warp
-      // skips the O rescale below.
-      const float tile_max = quad_allreduce(row_ext[r], MaxOp{}) * ext_scale;
-      const float m = tile_max > row_max[r] + kRescaleSlack ? tile_max : row_max[r];
-      // A row with no visible key yet keeps m = -inf; subtract 0 instead so
-      // that exp2(-inf - -inf) never makes a NaN.
-      m_safe[r] = m == -INFINITY ? 0.f : m;
-      correction[r] = m == row_max[r] ? 1.f : fast_exp2(row_max[r] - m_safe[r]);
-      row_max[r] = m;
+      fold_row(r, quad_allreduce(row_ext[r], MaxOp{}) * ext_scale, prescaled ? 1.f : scale);
     }
+  };
+  // ptxas hoists a wgmma wait (WARPGROUP.DEPBAR) above any arithmetic that does
+  // not depend on it, here above the exponentials, which then wait for the
+  // P V product too. A warp-uniform branch on the row sums, never taken, keeps
+  // the wait below them.
+  auto pin_below = [&](const float (&sums)[kRows]) {
+    bool negative = false;
     CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      CUTE_UNROLL
-      for (int c = 0; c < kCols; ++c) {
-        s_rc(r, c) = fast_exp2(fmaf(s_rc(r, c), s_scale, -m_safe[r]));
-      }
-    }
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      row_sum[r] = row_sum[r] * correction[r] + row_reduce(r, SumOp{});
-    }
+    for (int r = 0; r < kRows; ++r) negative |= sums[r] < 0.f;
+    if (__any_sync(0xffffffff, negative)) asm volatile("nanosleep.u32 0;");
   };
   // tOrP and acc_s map each (row, col) to the same register offset; write P
   // through acc_s's layout so that the element order cannot differ.
@@ -652,6 +664,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (!Traits::kQInRegisters && i == n_tiles - 1) release(&smem.q_empty);
         float correction[kRows];
         softmax_step(n_block_begin + i, correction);
+        pin_below(row_sum);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_o);
         warpgroup_fence_operand(tOrP);
