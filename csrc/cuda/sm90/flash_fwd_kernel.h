@@ -514,36 +514,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     // The row max of scale * s is scale * max(s) (scale * min(s) for a
     // negative scale), and each exponent is one FFMA, scale * s - max, saving a
-    // multiply per score.
-    //
-    // fold_row(r, tile_max, s_scale) folds row r into the running max and sum:
-    // Lazy rescaling: the running max moves only when the tile exceeds it by
-    // more than kRescaleSlack (log2 units). Otherwise the exponents of this
-    // tile are taken against the stale max (values up to 2^slack, far from
-    // overflow in P and the float32 sums) and O keeps its scale: the result is
-    // the same, since O and the row sum share one reference max and lse = max
-    // + log(sum). On most tiles no row moves, and the warp skips the O rescale.
-    auto fold_row = [&](int r, float tile_max, float s_scale) {
-      const float m = tile_max > row_max[r] + kRescaleSlack ? tile_max : row_max[r];
-      // A row with no visible key yet keeps m = -inf; subtract 0 instead so
-      // that exp2(-inf - -inf) never makes a NaN.
-      const float m_safe = m == -INFINITY ? 0.f : m;
-      correction[r] = m == row_max[r] ? 1.f : fast_exp2(row_max[r] - m_safe);
-      row_max[r] = m;
-      CUTE_UNROLL
-      for (int c = 0; c < kCols; ++c) s_rc(r, c) = fast_exp2(fmaf(s_rc(r, c), s_scale, -m_safe));
-      row_sum[r] = row_sum[r] * correction[r] + row_reduce(r, SumOp{});
-    };
-    if (!needs_mask && scale > 0.f) {
-      // The common tile, one row after the other without branches: the
-      // scheduler fills the exponent unit's gaps in one row with the next
-      // row's max reduction, which otherwise runs alone before any exponent.
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        fold_row(r, quad_allreduce(row_reduce(r, MaxOp{}), MaxOp{}) * scale, scale);
-      }
-      return;
-    }
+    // multiply per score. Each phase below handles all rows at once, without
+    // branches inside, so that the rows' dependency chains interleave.
     const bool prescaled = needs_mask && zero_scale;
     float row_ext[kRows];  // tile_max = ext_scale * row_ext after the quad reduction
     float ext_scale;
@@ -556,9 +528,35 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) row_ext[r] = -row_reduce(r, MinOp{});
     }
+    const float s_scale = prescaled ? 1.f : scale;
+    float m_safe[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      fold_row(r, quad_allreduce(row_ext[r], MaxOp{}) * ext_scale, prescaled ? 1.f : scale);
+      // Lazy rescaling: the running max moves only when the tile exceeds it
+      // by more than kRescaleSlack (log2 units). Otherwise the exponents of
+      // this tile are taken against the stale max (values up to 2^slack, far
+      // from overflow in P and the float32 sums) and O keeps its scale: the
+      // result is the same, since O and the row sum share one reference max
+      // and lse = max + log(sum). On most tiles no row moves, and the warp
+      // skips the O rescale below.
+      const float tile_max = quad_allreduce(row_ext[r], MaxOp{}) * ext_scale;
+      const float m = tile_max > row_max[r] + kRescaleSlack ? tile_max : row_max[r];
+      // A row with no visible key yet keeps m = -inf; subtract 0 instead so
+      // that exp2(-inf - -inf) never makes a NaN.
+      m_safe[r] = m == -INFINITY ? 0.f : m;
+      correction[r] = m == row_max[r] ? 1.f : fast_exp2(row_max[r] - m_safe[r]);
+      row_max[r] = m;
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        s_rc(r, c) = fast_exp2(fmaf(s_rc(r, c), s_scale, -m_safe[r]));
+      }
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      row_sum[r] = row_sum[r] * correction[r] + row_reduce(r, SumOp{});
     }
   };
   // ptxas hoists a wgmma wait (WARPGROUP.DEPBAR) above any arithmetic that does
