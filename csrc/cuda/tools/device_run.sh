@@ -48,6 +48,17 @@ for step in $STEPS; do
         --impls jflash --iterations 1 --repeats 1 --causal ${NCU_CAUSAL:-no} > "$OUT/ncu.log" 2>&1
       echo "ncu rc=$?"; grep -E "Duration|Issue Slots|Eligible|Tensor|pcsamp" "$OUT/ncu.log" \
         | grep -v " 0$" | head -40 ;;
+    ncu_source)  # warp-state samples per SASS instruction, one launch (head dim 128, seq 4k)
+      timeout 180 ncu --clock-control none --kernel-name regex:flash_fwd_sm90 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats --section SourceCounters \
+        --import-source no -o "$OUT/ncu_source" \
+        python3 -P csrc/cuda/tools/quick_bench.py --head-dims 128 --seqs 4096 --modes fwd \
+        --impls jflash --iterations 1 --repeats 1 --causal ${NCU_CAUSAL:-no} > "$OUT/ncu_source.log" 2>&1
+      echo "ncu rc=$?"
+      ncu --import "$OUT/ncu_source.ncu-rep" --page details > "$OUT/ncu_source_details.txt" 2>&1
+      ncu --import "$OUT/ncu_source.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>&1
+      grep -E "Duration|Elapsed Cycles|SM Frequency" "$OUT/ncu_source_details.txt"
+      python3 csrc/cuda/tools/ncu_source_summary.py "$OUT/ncu_source.csv" --top 15 ;;
     ncu_bwd)  # hardware counters for one launch of the sm80 backward (head dim 128, seq 16k)
       timeout 240 ncu --clock-control none --kernel-name regex:flash_bwd_kernel --launch-count 1 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
