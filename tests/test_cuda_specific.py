@@ -165,6 +165,59 @@ def _check_against_reference(rng, case, dtype, scale=None):
     assert np.all(np.isneginf(lse[:, :, ~seen])) and np.all(np.isfinite(lse[:, :, seen]))
 
 
+# Scores whose row maxima rise along the keys, by steps that cross the Hopper
+# forward's rescale slack (2^8 in exp2 terms, about 5.5 in natural units) and
+# one step past float32's exp2 range (about 88.7). The Hopper softmax first
+# takes each key tile against the running max and, where a row's max rose
+# past the slack, computes the tile again with fresh maxima; random scores
+# (the cases above) almost never take that second path. The bias of key block
+# j (64 keys) is RISING_BIAS[j] in natural units, added through the first
+# head-dim coordinate (q = +-1 there, half of the rows falling instead).
+RISING_BIAS = [0, 3, 3, 10, 10, 2, 25, 25, 24, 125, 125, 120, 130, 131, 60, 140]
+RISING_CASES = [
+    (1, 300, 1000, 4, 2, 64, None, None),
+    (1, 300, 1000, 4, 2, 128, None, None),
+    (1, 300, 1000, 4, 2, 256, None, None),
+    (1, 300, 1000, 4, 1, 64, -300, 1000 - 300),  # bottom-right causal
+    (1, 300, 1000, 4, 1, 128, -300, 1000 - 300),
+    (1, 300, 1000, 4, 1, 256, -300, 1000 - 300),
+]
+
+
+@pytest.mark.parametrize("case", RISING_CASES, ids=_case_id)
+def test_rising_scores_against_reference(rng, case):
+    b, sq, sk, h, hkv, d, lo, hi = case
+    if lo is None:
+        lo, hi = -sq, sk
+    dtype = jnp.bfloat16
+    # Noise of unit variance in the scores at softmax_scale 1; the biases are
+    # small integers, exact in bfloat16.
+    q = rng.standard_normal((b, sq, h, d)) * d ** -0.25
+    k = rng.standard_normal((b, sk, hkv, d)) * d ** -0.25
+    q[..., 0] = np.where(np.arange(sq) % 2 == 0, 1.0, -1.0)[None, :, None]
+    k[..., 0] = np.asarray(RISING_BIAS)[np.minimum(np.arange(sk) // 64, len(RISING_BIAS) - 1)][None, :, None]
+    q, k = jnp.asarray(q, dtype), jnp.asarray(k, dtype)
+    v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
+    kw = dict(softmax_scale=1.0, diag_lo=lo, diag_hi=hi)
+    try:
+        out, lse = jax.block_until_ready(jax.jit(lambda q, k, v: attention_band(q, k, v, **kw))(q, k, v))
+    except Exception as e:  # a development build may leave instantiations out
+        if "JFLASH_CUDA_SUBSET" not in str(e):
+            raise
+        pytest.skip(f"instantiation not compiled in: {str(e).splitlines()[0][:200]}")
+    truth = [np.asarray(t, np.float64) for t in reference_band(q, k, v, **kw)]
+    plain = reference_band(q, k, v, dtype=dtype, **kw)
+    for name, x, p, t in zip(("out", "lse"), (out, lse), plain, truth):
+        assert_within_rule(name, x, p, t, dtype)
+    # Scores this large make the plain bfloat16 computation (scores rounded to
+    # bfloat16) coarse, and so the rule loose; the kernel takes the scores in
+    # float32, so its error stays at P's and O's bfloat16 rounding.
+    out_err = np.max(np.abs(np.asarray(out, np.float64) - truth[0]))
+    lse_err = np.max(np.abs(np.asarray(lse, np.float64) - truth[1]) / np.maximum(1, np.abs(truth[1])))
+    assert out_err <= 2e-2 * max(1.0, np.max(np.abs(truth[0]))), out_err
+    assert lse_err <= 1e-5, lse_err
+
+
 # GPUs with 99 KB of shared memory per block (sm86, sm89) run the kSmall column
 # of the tile table for these head dims (csrc/cuda/tile_sizes.h); here the
 # column is forced by JFLASH_CUDA_SMEM_LIMIT, in a subprocess (read once per

@@ -157,17 +157,33 @@ constexpr bool has_small_bwd_tile(int head_dim) {
 }
 
 // Hopper forward (csrc/cuda/sm90/): TMA + wgmma, one producer warpgroup and
-// block_m / 64 consumer warpgroups (64 query rows each), K and V tiles in a
-// ring of `stages` shared-memory buffers. Head dims without an entry run the
-// sm80 kernel on Hopper too.
+// block_m / 64 consumer warpgroups (64 query rows each), K and V tiles in
+// rings of shared-memory buffers. Head dims without an entry run the sm80
+// kernel on Hopper too.
 struct Sm90FwdTile {
-  int block_m;  // query rows per CTA: 64 per consumer warpgroup
-  int block_n;  // key rows per step (the N of S = Q K^T, the K of O += P V)
-  int stages;   // K/V ring depth
+  int block_m;   // query rows per CTA: 64 per consumer warpgroup
+  int block_n;   // key rows per step (the N of S = Q K^T, the K of O += P V)
+  int k_stages;  // K ring depth
+  int v_stages;  // V ring depth
   bool q_in_registers = false;  // Q K^T reads Q from registers, not shared memory
+  // The softmax takes each key tile against the running max first and
+  // computes the tile again where a row's max rose too far (see the kernel).
+  // Cycles per launch against the full max on every tile (H200, ncu,
+  // csrc/cuda/NOTES.md s12): head dim 64 -12% causal 16k, -5% unmasked 16k,
+  // -4% causal 512; head dim 128 -5% / -6% unmasked 4k / 16k, -6% causal 4k.
+  // Not at head dim 256, whose tensor pipe is already 97% busy: +5% to +9%
+  // cycles with it (the redo path's registers spilled there).
+  bool stale_max = false;
 };
 
-// smem = (block_m + 2 * stages * block_n) * head_dim * 2 bytes (<= 227 KB),
+// Ring depths: with stale_max a K tile stays until the softmax of its step
+// has accepted its scores (they may be computed again), about a step longer
+// than its product needs. A third K buffer, to load a step further ahead,
+// measured no better: cycles per launch +0.4% to +2% at head dim 128, -0.3%
+// to -0.6% at head dim 64 (H200, ncu; csrc/cuda/NOTES.md s12).
+//
+// smem = (block_m + (k_stages + v_stages) * block_n) * head_dim * 2 bytes
+// (<= 227 KB),
 // plus the output slabs where they fit (sm90/flash_fwd_kernel.h).
 // registers per consumer thread: block_n / 2 score floats + head_dim / 2
 // output floats + block_n / 4 words of P (+ head_dim / 4 words of Q with
@@ -179,18 +195,19 @@ constexpr Sm90FwdTile sm90_fwd_tile(int head_dim) {
     // is not, so two warpgroups cannot hide each other's softmax; three
     // (192 rows, no ping-pong) measured 436 / 493 TFLOP/s at seq 4k / 16k
     // against 390 / 443 for 128 x 128 (H200; csrc/cuda/NOTES.md).
-    case 64: return {192, 128, 2};   // 88 KB
-    // Head dim 128 (H200, unmasked, seq 4k / 16k): 128x128 with 2 stages
-    // 560 / 604 TFLOP/s; 3 stages 563 / 602 (the loads are not what limits);
+    case 64: return {192, 128, 2, 2, false, true};  // 88 KB + 24 KB of output slabs
+    // Head dim 128 (H200, unmasked, seq 4k / 16k; before the softmax held K
+    // tiles for a step): 128x128 with 2 K and 2 V buffers 560 / 604 TFLOP/s,
+    // 3 and 3: 563 / 602 (the loads were not what limits);
     // 128x192 535 / 593. 128x176 (needs CuTe's extended wgmma shapes, else
     // it runs 64x16 atoms at -25%) measured level with 128x128 at 16k (per
     // round -4% to +3%) and -7% at 4k, where a 176-key grid wastes 3% on its
     // last tile. Q in registers: +1-2% (s10; csrc/cuda/NOTES.md).
-    case 128: return {128, 128, 2, true};  // 160 KB
+    case 128: return {128, 128, 2, 2, true, true};  // 160 KB + 32 KB of output slabs
     // Head dim 256: 128 output floats per thread leave room for a 64-key
-    // score tile only; 2 stages 596 / 673, 3 stages 600 / 667.
-    case 256: return {128, 64, 2};   // 192 KB
-    default: return {0, 0, 0};
+    // score tile only; (as above) 2 and 2 buffers 596 / 673, 3 and 3 600 / 667.
+    case 256: return {128, 64, 2, 2};  // 192 KB
+    default: return {0, 0, 0, 0};
   }
 }
 
@@ -204,8 +221,8 @@ constexpr Sm90FwdTile sm90_fwd_tile(int head_dim) {
 constexpr int kSm90ShortBandMaxLen = 1024;
 constexpr Sm90FwdTile sm90_fwd_tile_short_band(int head_dim) {
   switch (head_dim) {
-    case 64: return {128, 128, 2};  // 96 KB with the output slabs
-    default: return {0, 0, 0};
+    case 64: return {128, 128, 2, 2, false, true};  // 80 KB + 16 KB of output slabs
+    default: return {0, 0, 0, 0};
   }
 }
 

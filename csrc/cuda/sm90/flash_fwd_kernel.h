@@ -6,9 +6,10 @@
 // Roles (warpgroups of 128 threads):
 //   warpgroup 0, the producer: one thread issues TMA copies: each tile's Q
 //     (once its buffer is free again: the q_empty mbarrier), then K and V
-//     tiles into a ring of kStages shared-memory buffers that runs on across
-//     tiles, each buffer guarded by a "full" mbarrier (TMA bytes landed) and
-//     an "empty" mbarrier (every consumer warp is done reading it). It gives
+//     tiles into two rings of shared-memory buffers (kKStages, kVStages)
+//     that run on across tiles, each buffer guarded by a "full" mbarrier (TMA
+//     bytes landed) and an "empty" mbarrier (every consumer warp is done
+//     reading it). It gives
 //     most of its registers away (setmaxnreg), and loads the next tile while
 //     the consumers finish the current one; in long units it also prefetches
 //     the next unit's first tiles into L2.
@@ -67,7 +68,8 @@ struct FwdTraits {
   static_assert(kTile.block_m > 0, "no sm90 forward tile for this head dim");
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
-  static constexpr int kStages = kTile.stages;
+  static constexpr int kKStages = kTile.k_stages;
+  static constexpr int kVStages = kTile.v_stages;
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kNThreads = 128 + kConsumerThreads;
@@ -86,6 +88,7 @@ struct FwdTraits {
   // Q buffer is free for the next tile's load as soon as every consumer has
   // its copy.
   static constexpr bool kQInRegisters = kTile.q_in_registers;
+  static constexpr bool kStaleMax = kTile.stale_max;
   using MmaQKShape = Shape<_64, Int<kBlockN>, Int<kHeadDim>>;
   using TiledMmaQK = decltype(make_tiled_mma(
       std::conditional_t<kQInRegisters,
@@ -103,13 +106,13 @@ struct FwdTraits {
   using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                              Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                             Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+                                             Shape<Int<kBlockN>, Int<kHeadDim>, Int<kKStages>>{}));
   // V stored as V^T tiles (head_dim x block_n), head_dim contiguous. The
   // swizzle atoms (64 head-dim columns x 8 keys) run along the keys first, so
   // that each 64-column slice of a tile is one contiguous TMA box (two copies
   // per tile at head dim 128, instead of one per 8 keys and slice: 32).
   using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                              Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                              Shape<Int<kHeadDim>, Int<kBlockN>, Int<kVStages>>{},
                                               Step<_2, _1, _3>{}));
 
   // Global views that the TMA descriptors are built from, [seq, head_dim, heads,
@@ -153,7 +156,7 @@ struct FwdTraits {
                                              Shape<_64, Int<kHeadDim>, Int<kConsumerWarpgroups>>{}));
   static constexpr uint32_t kOBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr bool kSmemEpilogue =
-      kQBytes + 2 * kStages * kKVBytes + kOBytes + 1024 <= 227 * 1024;
+      kQBytes + (kKStages + kVStages) * kKVBytes + kOBytes + 1024 <= 227 * 1024;
   using TmaO = decltype(make_tma_atom(
       SM90_TMA_STORE{},
       make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{}, GmemStrideRowMajor{}),
@@ -168,12 +171,15 @@ struct FwdTraits {
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutVt>> v;
     alignas(1024) cute::ArrayEngine<Element, kSmemEpilogue ? cosize_v<SmemLayoutO> : 1> o;
+    // kStaleMax with ping-pong: per consumer warp, whether its softmax of the
+    // last key tile must be redone (by the parity of the step).
+    alignas(4) uint8_t redo[2][kConsumerWarpgroups][4];
     alignas(8) uint64_t q_full;
     uint64_t q_empty;
-    uint64_t k_full[kStages];
-    uint64_t v_full[kStages];
-    uint64_t k_empty[kStages];
-    uint64_t v_empty[kStages];
+    uint64_t k_full[kKStages];
+    uint64_t v_full[kVStages];
+    uint64_t k_empty[kKStages];
+    uint64_t v_empty[kVStages];
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024);
@@ -209,8 +215,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
-  constexpr int kStages = Traits::kStages;
-  using Slot = RingSlot<kStages>;
+  using KSlot = RingSlot<Traits::kKStages>;
+  using VSlot = RingSlot<Traits::kVStages>;
 
   const FwdParams& params = args.params;
   extern __shared__ __align__(1024) char smem_raw[];
@@ -285,10 +291,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     FullBarrier::init(&smem.q_full, 1);
     EmptyBarrier::init(&smem.q_empty, Traits::kConsumerThreads / 32);
     CUTE_UNROLL
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < Traits::kKStages; ++s) {
       FullBarrier::init(&smem.k_full[s], 1);
-      FullBarrier::init(&smem.v_full[s], 1);
       EmptyBarrier::init(&smem.k_empty[s], Traits::kConsumerThreads / 32);
+    }
+    CUTE_UNROLL
+    for (int s = 0; s < Traits::kVStages; ++s) {
+      FullBarrier::init(&smem.v_full[s], 1);
       EmptyBarrier::init(&smem.v_empty[s], Traits::kConsumerThreads / 32);
     }
     cutlass::arch::fence_barrier_init();
@@ -338,8 +347,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const Tile tile = tile_at(t_next);
       auto [q, k, v] = partition(tile);
       cute::prefetch(args.tma_q, get<0>(q));
-      for (int i = 0; i < min(kStages, tile.n_tiles); ++i) {
+      for (int i = 0; i < min(Traits::kKStages, tile.n_tiles); ++i) {
         cute::prefetch(args.tma_k, get<0>(k)(_, tile.n_block_begin + i));
+      }
+      for (int i = 0; i < min(Traits::kVStages, tile.n_tiles); ++i) {
         cute::prefetch(args.tma_v, get<0>(v)(_, tile.n_block_begin + i));
       }
     };
@@ -364,14 +375,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           tile.n_tiles > kPrefetchMinTiles ? tile.n_tiles - kPrefetchTiles : -1;
       for (int i = 0; i < tile.n_tiles; ++i, ++kv_iter) {
         if (i == prefetch_at) prefetch_next(t);
-        const Slot slot(kv_iter);
+        const KSlot ks(kv_iter);
+        const VSlot vs(kv_iter);
         const int n_block = tile.n_block_begin + i;
-        EmptyBarrier::wait(&smem.k_empty[slot.stage], slot.phase ^ 1);
-        FullBarrier::arrive_and_expect_tx(&smem.k_full[slot.stage], Traits::kKVBytes);
-        copy(args.tma_k.with(smem.k_full[slot.stage]), tKgK(_, n_block), tKsK(_, slot.stage));
-        EmptyBarrier::wait(&smem.v_empty[slot.stage], slot.phase ^ 1);
-        FullBarrier::arrive_and_expect_tx(&smem.v_full[slot.stage], Traits::kKVBytes);
-        copy(args.tma_v.with(smem.v_full[slot.stage]), tVgV(_, n_block), tVsV(_, slot.stage));
+        EmptyBarrier::wait(&smem.k_empty[ks.stage], ks.phase ^ 1);
+        FullBarrier::arrive_and_expect_tx(&smem.k_full[ks.stage], Traits::kKVBytes);
+        copy(args.tma_k.with(smem.k_full[ks.stage]), tKgK(_, n_block), tKsK(_, ks.stage));
+        EmptyBarrier::wait(&smem.v_empty[vs.stage], vs.phase ^ 1);
+        FullBarrier::arrive_and_expect_tx(&smem.v_full[vs.stage], Traits::kKVBytes);
+        copy(args.tma_v.with(smem.v_full[vs.stage]), tVgV(_, n_block), tVsV(_, vs.stage));
       }
     }
     return;
@@ -427,6 +439,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // that every tile leaves both barriers as it found them.
   constexpr uint32_t kFirstBarrier = 1;
   constexpr uint32_t kPairThreads = 256;
+  // Named barriers (CUTLASS numbering, past its reserved ones): the ping-pong
+  // pair kFirstBarrier + {0, 1}, then per consumer one for the epilogue
+  // (kEpilogueBarrier, defined with it) and one for the softmax's vote.
+  constexpr uint32_t kVoteBarrier =
+      kFirstBarrier + (Traits::kPingPong ? 2 : 0) + Traits::kConsumerWarpgroups;  // + consumer
+  static_assert(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount + kVoteBarrier +
+                        Traits::kConsumerWarpgroups <=
+                    cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
   auto begin_issue = [&] {
     if constexpr (Traits::kPingPong) {
       cutlass::arch::NamedBarrier::sync(kPairThreads, kFirstBarrier + consumer);
@@ -457,6 +477,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     return op(op(part[0], part[1]), op(part[2], part[3]));
   };
   constexpr float kRescaleSlack = 8.f;
+  constexpr float kRescaleBound = 256.f;  // 2^kRescaleSlack
   // Masking works on the raw scores, before the scale: a hidden score becomes
   // hidden_score, which the scale sends to -inf (scale > 0) or the min-reduction
   // skips (scale < 0), so masked and unmasked tiles share the one-FFMA
@@ -469,8 +490,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // 512, +9% at 1024, +8% at 2048 (csrc/cuda/NOTES.md, s9).
   const bool zero_scale = params.softmax_scale_log2 == 0.f;
   const float hidden_score = params.softmax_scale_log2 >= 0.f ? -INFINITY : INFINITY;
-  auto softmax_step = [&](int n_block, float (&correction)[kRows]) {
-    const float scale = params.softmax_scale_log2;
+  // Hides the scores of key tile n_block that the band or the sequence end
+  // cuts (in place, raw scores); returns whether it touched any.
+  auto mask_scores = [&](int n_block) __attribute__((always_inline)) {
     const int key0 = n_block * kBlockN;
     bool needs_mask = key0 + kBlockN > params.seqlen_k;  // all rows alike without a band
     if constexpr (kBanded) {
@@ -512,10 +534,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
       }
     }
-    // The row max of scale * s is scale * max(s) (scale * min(s) for a
-    // negative scale), and each exponent is one FFMA, scale * s - max, saving a
-    // multiply per score. Each phase below handles all rows at once, without
-    // branches inside, so that the rows' dependency chains interleave.
+    return needs_mask;
+  };
+  // Folds the (masked) score tile into the running max and sum with a fresh
+  // tile max. The row max of scale * s is scale * max(s) (scale * min(s) for a
+  // negative scale), and each exponent is one FFMA, scale * s - max, saving a
+  // multiply per score. Each phase below handles all rows at once, without
+  // branches inside, so that the rows' dependency chains interleave.
+  auto fold_max = [&](bool needs_mask, float (&correction)[kRows]) __attribute__((always_inline)) {
+    const float scale = params.softmax_scale_log2;
     const bool prescaled = needs_mask && zero_scale;
     float row_ext[kRows];  // tile_max = ext_scale * row_ext after the quad reduction
     float ext_scale;
@@ -559,6 +586,53 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       row_sum[r] = row_sum[r] * correction[r] + row_reduce(r, SumOp{});
     }
   };
+  auto softmax_step = [&](int n_block, float (&correction)[kRows]) {
+    fold_max(mask_scores(n_block), correction);
+  };
+  // Exponentiates the (masked) score tile against the running max as it
+  // stands, without the tile's max: the row max reductions (a third of the
+  // softmax's time per step, csrc/cuda/NOTES.md s11) are skipped. This is what
+  // fold_max computes whenever the tile does not raise any row's max by more
+  // than kRescaleSlack (fold_max then keeps the max, too), i.e. when every
+  // exponential is at most kRescaleBound. Leaves this thread's partial sum of
+  // each row in tile_sum, and returns whether all of them are at most
+  // kRescaleBound (false for NaN), which implies that bound for every term;
+  // where that fails, the caller computes the tile again with fold_max. Needs a
+  // finite running max in every row.
+  auto exp_stale = [&](bool needs_mask, float (&tile_sum)[kRows]) {
+    const float s_scale = needs_mask && zero_scale ? 1.f : params.softmax_scale_log2;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        s_rc(r, c) = fast_exp2(fmaf(s_rc(r, c), s_scale, -row_max[r]));
+      }
+    }
+    bool within = true;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      tile_sum[r] = row_reduce(r, SumOp{});
+      within &= tile_sum[r] <= kRescaleBound;
+    }
+    return within;
+  };
+  // S again from the K tile in ring buffer `stage` (see the main loop). The
+  // operands' shared-memory descriptors are rebuilt here from an address the
+  // compiler cannot see through: otherwise it keeps those of the step's first
+  // Q K^T alive across the softmax for this rare path (at head dim 256, 32
+  // registers, and the kernel spilled).
+  auto recompute_s = [&](int stage) __attribute__((always_inline)) {
+    SharedStorage* base = &smem;
+    asm volatile("" : "+l"(base));
+    Tensor sQ_ = make_tensor(make_smem_ptr(base->q.begin()), typename Traits::SmemLayoutQ{});
+    Tensor sK_ = make_tensor(make_smem_ptr(base->k.begin()), typename Traits::SmemLayoutK{});
+    Tensor tSrK_ = thr_qk.partition_fragment_B(sK_);
+    if constexpr (Traits::kQInRegisters) {
+      wgmma_issue<true>(mma_qk, tSrQ, tSrK_(_, _, _, stage), acc_s);
+    } else {
+      wgmma_issue<true>(mma_qk, thr_qk.partition_fragment_A(sQ_), tSrK_(_, _, _, stage), acc_s);
+    }
+  };
   // Keeps the wgmma wait that follows below the softmax. Waiting earlier is
   // always legal, and ptxas schedules WARPGROUP.DEPBAR as early as it can: in
   // the main loop it put the wait for P_{i-1} V_{i-1} before the exponentials
@@ -574,6 +648,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int r = 0; r < kRows; ++r) negative |= sums[r] < 0.f;
     if (__any_sync(0xffffffff, negative)) asm volatile("nanosleep.u32 0;");
   };
+  // O *= correction; skipped when no row of the warp raised its max (exact:
+  // the correction is then 1).
+  auto rescale_o = [&](const float (&correction)[kRows]) {
+    bool changed = false;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) changed |= correction[r] != 1.f;
+    if (__any_sync(0xffffffff, changed)) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= correction[r];
+      }
+    }
+  };
   // tOrP and acc_s map each (row, col) to the same register offset; write P
   // through acc_s's layout so that the element order cannot differ.
   auto convert_p = [&] {
@@ -582,12 +670,61 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     CUTE_UNROLL
     for (int i = 0; i < size(p); ++i) dst(i) = p(i);
   };
+  // Where a warp's verdict on its stale-max softmax is settled: at the next
+  // turn (unmasked ping-pong kernels), or by a vote of the warpgroup right
+  // after the exponentials. Measured in cycles per launch (ncu, H200, head
+  // dim 128; csrc/cuda/NOTES.md s12): unmasked, the turn took 0.7% (4k) and
+  // 1.5% (16k) fewer than the vote; causal 4k, 3% more.
+  constexpr bool kSettleAtTurn = Traits::kStaleMax && Traits::kPingPong && !kBanded;
+  // kStaleMax with ping-pong: each warp's verdict on its softmax of a key tile
+  // (redo: some row's max rose too far), published in shared memory and read
+  // by the whole warpgroup after the next turn's barrier. The accesses are
+  // asm volatile so that the compiler keeps them on their side of that
+  // barrier (also asm volatile, without a memory clobber).
+  const int lane = tidx % 32;
+  const int warp_in_group = tidx % 128 / 32;
+  bool redo = false;  // this warp's verdict on the last key tile
+  auto publish_redo = [&](int step) {
+    if (lane == 0) {
+      asm volatile("st.shared.u8 [%0], %1;" ::"r"(cast_smem_ptr_to_uint(
+                       &smem.redo[step & 1][consumer][warp_in_group])),
+                   "r"(static_cast<uint32_t>(redo)));
+    }
+  };
+  auto any_redo = [&](int step) {
+    uint32_t verdicts;
+    asm volatile("ld.shared.u32 %0, [%1];"
+                 : "=r"(verdicts)
+                 : "r"(cast_smem_ptr_to_uint(&smem.redo[step & 1][consumer][0])));
+    return verdicts != 0;
+  };
+  // Settles key tile j (>= 1) of the current unit right after this
+  // consumer's next turn began: where some warp's verdict was redo, the
+  // warpgroup computes S_j again and those warps fold it with fresh maxima,
+  // rescale O (which holds the products up to P_{j-1} V_{j-1}) and convert
+  // P_j again. Then K_j (and after the unit's last Q K^T, Q) leaves shared
+  // memory.
+  auto settle = [&](int j, int n_block, int k_stage, bool last_q_k) __attribute__((always_inline)) {
+    if (any_redo(j)) {
+      recompute_s(k_stage);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_s);
+      if (redo) {
+        float correction[kRows];
+        fold_max(mask_scores(n_block), correction);
+        rescale_o(correction);
+        convert_p();
+      }
+    }
+    release(&smem.k_empty[k_stage]);
+    if (!Traits::kQInRegisters && last_q_k) release(&smem.q_empty);
+  };
 
   Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
   // The epilogue's slab of this warpgroup, its stmatrix partition, and the
   // global output (kSmemEpilogue).
-  constexpr uint32_t kEpilogueBarrier = kFirstBarrier + 2;  // + consumer
+  constexpr uint32_t kEpilogueBarrier = kFirstBarrier + (Traits::kPingPong ? 2 : 0);  // + consumer
   const bool store_leader = tidx % 128 == 0;
   Tensor sO = make_tensor(make_smem_ptr(smem.o.begin()), typename Traits::SmemLayoutO{})(_, _, consumer);
   typename Traits::SmemCopyO smem_copy_o;
@@ -636,7 +773,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
       // Step 0: S_0 only.
       {
-        const Slot slot(kv_iter);
+        const KSlot slot(kv_iter);
         begin_issue();
         FullBarrier::wait(&smem.k_full[slot.stage], slot.phase);
         wgmma_issue</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, slot.stage), acc_s);
@@ -651,9 +788,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         convert_p();
       }
       for (int i = 1; i < n_tiles; ++i) {
-        const Slot slot(kv_iter + i);
-        const Slot prev(kv_iter + i - 1);
+        const KSlot slot(kv_iter + i);
+        const VSlot prev(kv_iter + i - 1);
         begin_issue();
+        if constexpr (kSettleAtTurn) {
+          if (i >= 2) settle(i - 1, n_block_begin + i - 1, KSlot(kv_iter + i - 1).stage, false);
+        }
         FullBarrier::wait(&smem.k_full[slot.stage], slot.phase);
         wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, slot.stage), acc_s);
         FullBarrier::wait(&smem.v_full[prev.stage], prev.phase);
@@ -662,34 +802,86 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         end_issue(false);
         warpgroup_wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
         warpgroup_fence_operand(acc_s);
-        release(&smem.k_empty[slot.stage]);
-        // The tile's last Q K^T is done.
-        if (!Traits::kQInRegisters && i == n_tiles - 1) release(&smem.q_empty);
+        const int n_block = n_block_begin + i;
         float correction[kRows];
-        softmax_step(n_block_begin + i, correction);
-        pin_below(row_sum);
-        warpgroup_wait<0>();
+        if constexpr (!Traits::kStaleMax) {
+          release(&smem.k_empty[slot.stage]);
+          // The tile's last Q K^T is done.
+          if (!Traits::kQInRegisters && i == n_tiles - 1) release(&smem.q_empty);
+          softmax_step(n_block, correction);
+          pin_below(row_sum);
+          warpgroup_wait<0>();
+        } else {
+          // The softmax first exponentiates S_i against the running max
+          // (exp_stale), where every row of the warp has one. A warp that
+          // finds a row whose max the tile raises too far folds the tile
+          // again with fresh maxima, from S_i computed again (exp_stale
+          // overwrote it); as wgmma is warpgroup-wide, so is that product, and
+          // K_i (and Q) stay in shared memory until it is settled.
+          const bool needs_mask = mask_scores(n_block);
+          bool finite_max = true;
+          CUTE_UNROLL
+          for (int r = 0; r < kRows; ++r) finite_max &= row_max[r] != -INFINITY;
+          const bool stale = __all_sync(0xffffffff, finite_max);
+          float tile_sum[kRows];
+          const bool over = stale && !exp_stale(needs_mask, tile_sum);
+          if constexpr (kSettleAtTurn) {
+            // Settled at the next turn (settle): the warps publish
+            // their verdict through shared memory, and the turn's barrier,
+            // which they pass anyway, makes it visible to all.
+            redo = __any_sync(0xffffffff, over);
+            if (stale) {
+              CUTE_UNROLL
+              for (int r = 0; r < kRows; ++r) {
+                if (!redo) row_sum[r] += tile_sum[r];
+                correction[r] = 1.f;
+              }
+            } else {
+              fold_max(needs_mask, correction);  // rows with no visible key yet
+            }
+            publish_redo(i);
+            pin_below(row_sum);
+            warpgroup_wait<0>();
+          } else {
+            // No turns to piggyback on: a vote of the warpgroup's threads.
+            const bool redo_any = warpgroup_any(
+                over, cutlass::arch::NamedBarrier::ReservedNamedBarrierCount + kVoteBarrier + consumer);
+            // Both paths leave no product in flight (C7515, csrc/cuda/NOTES.md s8).
+            warpgroup_wait<0>();
+            if (redo_any) {
+              recompute_s(slot.stage);
+              warpgroup_wait<0>();
+              warpgroup_fence_operand(acc_s);
+              mask_scores(n_block);
+            }
+            if (redo_any || !stale) {
+              fold_max(needs_mask, correction);  // also rows with no visible key yet
+            } else {
+              CUTE_UNROLL
+              for (int r = 0; r < kRows; ++r) {
+                row_sum[r] += tile_sum[r];
+                correction[r] = 1.f;
+              }
+            }
+            release(&smem.k_empty[slot.stage]);
+            if (!Traits::kQInRegisters && i == n_tiles - 1) release(&smem.q_empty);
+          }
+        }
         warpgroup_fence_operand(acc_o);
         warpgroup_fence_operand(tOrP);
         release(&smem.v_empty[prev.stage]);
-        // O *= correction; skipped when no row of the warp raised its max (exact:
-        // the correction is then 1).
-        bool changed = false;
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) changed |= correction[r] != 1.f;
-        if (__any_sync(0xffffffff, changed)) {
-          CUTE_UNROLL
-          for (int r = 0; r < kRows; ++r) {
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= correction[r];
-          }
-        }
+        rescale_o(correction);
         convert_p();
       }
       // Last step: P_{n-1} V_{n-1}.
       {
-        const Slot prev(kv_iter + n_tiles - 1);
+        const VSlot prev(kv_iter + n_tiles - 1);
         begin_issue();
+        if constexpr (kSettleAtTurn) {
+          if (n_tiles >= 2) {
+            settle(n_tiles - 1, n_block_begin + n_tiles - 1, KSlot(kv_iter + n_tiles - 1).stage, true);
+          }
+        }
         FullBarrier::wait(&smem.v_full[prev.stage], prev.phase);
         warpgroup_fence_operand(tOrP);
         wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, prev.stage), acc_o);

@@ -36,6 +36,22 @@ __device__ __forceinline__ void wgmma_issue(TiledMma& tiled_mma, TensorA const& 
   warpgroup_commit_batch();
 }
 
+// Whether pred holds in any thread of the calling warpgroup (all 128 threads
+// must call it, with the same named barrier).
+__device__ __forceinline__ bool warpgroup_any(bool pred, uint32_t barrier) {
+  uint32_t any;
+  asm volatile(
+      "{\n"
+      ".reg .pred p, q;\n"
+      "setp.ne.u32 p, %1, 0;\n"
+      "bar.red.or.pred q, %2, 128, p;\n"
+      "selp.u32 %0, 1, 0, q;\n"
+      "}\n"
+      : "=r"(any)
+      : "r"(static_cast<uint32_t>(pred)), "r"(barrier));
+  return any != 0;
+}
+
 // wgmma accumulator ((2 cols, 2 rows, N / 8), MMA_M, MMA_N) viewed as
 // (rows, cols). As with mma.sync, the 4 lanes of a quad hold one row.
 template <typename Layout>
