@@ -170,7 +170,7 @@ struct Sm90FwdTile {
   // computes the tile again where a row's max rose too far (see the kernel).
   // Cycles per launch against the full max on every tile (H200, ncu,
   // csrc/cuda/NOTES.md s12): head dim 64 -12% causal 16k, -5% unmasked 16k,
-  // -4% causal 512; head dim 128 -5% / -6% unmasked 4k / 16k, -6% causal 4k.
+  // -3% causal 512; head dim 128 -5% / -6% unmasked 4k / 16k, -6% causal 4k.
   // Not at head dim 256, whose tensor pipe is already 97% busy: +5% to +9%
   // cycles with it (the redo path's registers spilled there).
   bool stale_max = false;
@@ -179,8 +179,8 @@ struct Sm90FwdTile {
 // Ring depths: with stale_max a K tile stays until the softmax of its step
 // has accepted its scores (they may be computed again), about a step longer
 // than its product needs. A third K buffer, to load a step further ahead,
-// measured no better: cycles per launch +0.4% to +2% at head dim 128, -0.3%
-// to -0.6% at head dim 64 (H200, ncu; csrc/cuda/NOTES.md s12).
+// measured no better: cycles per launch +0.5% to +2.3% at head dim 128,
+// -0.3% to +0.6% at head dim 64 (H200, ncu; csrc/cuda/NOTES.md s12).
 //
 // smem = (block_m + (k_stages + v_stages) * block_n) * head_dim * 2 bytes
 // (<= 227 KB),
