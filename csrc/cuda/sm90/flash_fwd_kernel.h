@@ -16,7 +16,9 @@
 //   warpgroups 1.., the consumers: 64 query rows each; per key tile
 //       S = Q K^T                 (wgmma, K from shared memory, Q too or, where
 //                                  the tile table says so, from registers)
-//       online softmax of S       (registers; exp2 with the scale folded in)
+//       online softmax of S       (registers; exp2 with the scale folded in;
+//                                  where the tile table says stale_max,
+//                                  against the running max first)
 //       O = O * correction + P V  (wgmma, P from registers, V from shared memory)
 //     and at the end of a tile O / rowsum goes through shared memory to a
 //     TMA store (head dims 64, 128) while the next tile starts.
