@@ -478,8 +478,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int c = 4; c < kCols; ++c) part[c % 4] = op(part[c % 4], s_rc(r, c));
     return op(op(part[0], part[1]), op(part[2], part[3]));
   };
-  constexpr float kRescaleSlack = 8.f;
-  constexpr float kRescaleBound = 256.f;  // 2^kRescaleSlack
+  constexpr int kRescaleSlack = 8;                    // log2 units
+  constexpr float kRescaleBound = 1 << kRescaleSlack;  // 2^kRescaleSlack
   // Masking works on the raw scores, before the scale: a hidden score becomes
   // hidden_score, which the scale sends to -inf (scale > 0) or the min-reduction
   // skips (scale < 0), so masked and unmasked tiles share the one-FFMA
