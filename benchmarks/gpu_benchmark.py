@@ -11,7 +11,8 @@ jax.nn.dot_product_attention(implementation="cudnn") and implementation="xla"
       --modes fwd --out $OUT/gpu.json --time-budget-s 480
 
 TFLOP/s use common.attention_flops (fwd 4*B*H*S*S*D, halved for causal;
-fwd+bwd 3.5x fwd). A failing impl or row is recorded and the run goes on.
+fwd+bwd 3.5x fwd). --group G gives key and value num_heads / G heads (GQA; the
+FLOPs are those of the query heads, as for MHA). A failing impl or row is recorded and the run goes on.
 --allow-cpu runs the same logic on a CPU (tiny sizes; cuDNN rows 'unavailable').
 """
 
@@ -74,7 +75,8 @@ def grid(args):
 def run_one(impl, shape, causal, mode, inputs, args, platform):
     head_dim, seq, batch, heads = shape
     rec = dict(impl=impl, head_dim=head_dim, seq=seq, batch=batch, heads=heads,
-               causal=causal, mode=mode, dtype=args.dtype, feed=args.feed)
+               kv_heads=heads // args.group, causal=causal, mode=mode, dtype=args.dtype,
+               feed=args.feed)
     flops = common.attention_flops(batch, seq, seq, heads, head_dim, causal=causal, mode=mode)
     rec["flops"] = flops
     try:
@@ -155,6 +157,8 @@ def main(argv=None):
                         help="head dim 128, seq 1k/4k/16k (overrides --head-dims/--seqs)")
     parser.add_argument("--tokens", type=int, default=16384, help="batch = tokens / seq")
     parser.add_argument("--model-dim", type=int, default=2048, help="heads = model_dim / head_dim")
+    parser.add_argument("--group", type=int, default=1,
+                        help="query heads per key/value head (GQA); 1: MHA")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--xla-max-gb", type=float, default=8.0)
     parser.add_argument("--feed", default="sliver", choices=common.FEEDS,
@@ -177,6 +181,10 @@ def main(argv=None):
         if not values or set(values) - set(allowed):
             parser.error(f"{name} takes a comma list of {','.join(allowed)}")
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    for head_dim in args.head_dims:
+        heads = max(1, args.model_dim // head_dim)
+        if args.group < 1 or heads % args.group:
+            parser.error(f"--group {args.group} must divide the {heads} heads of head dim {head_dim}")
 
     import jax
 
@@ -200,6 +208,9 @@ def main(argv=None):
         inputs = None
         if not out_of_time:
             inputs = common.random_qkv(seq + head_dim, batch, seq, heads, head_dim, args.dtype)
+            if args.group > 1:  # key and value keep their first heads // group heads
+                q, k, v, cotangent = inputs
+                inputs = (q, k[:, :, : heads // args.group], v[:, :, : heads // args.group], cotangent)
         for causal in causals:
             for mode in modes:
                 for impl in impls:
@@ -207,7 +218,8 @@ def main(argv=None):
                         time.perf_counter() - started > args.time_budget_s)
                     if out_of_time or inputs is None:
                         rec = dict(impl=impl, head_dim=head_dim, seq=seq, batch=batch, heads=heads,
-                                   causal=causal, mode=mode, dtype=args.dtype,
+                                   kv_heads=heads // args.group, causal=causal, mode=mode,
+                                   dtype=args.dtype,
                                    status="not run", note="--time-budget-s reached")
                     else:
                         rec = run_one(impl, shape, causal, mode, inputs, args, platform)
@@ -224,8 +236,9 @@ def main(argv=None):
     print(f"\nresults: {out}")
     if notes:
         print("notes:\n  " + "\n  ".join(notes))
+    group = f" | GQA: {args.group} query heads per kv head" if args.group > 1 else ""
     print(f"{env['device_kind']} | jax {env['jax_version']} | jflash {env['jflash_commit'][:12]} | "
-          f"{args.dtype} | TFLOP/s (fwd 4BHS^2D, causal /2, fwd+bwd 3.5x) | feed {args.feed}")
+          f"{args.dtype}{group} | TFLOP/s (fwd 4BHS^2D, causal /2, fwd+bwd 3.5x) | feed {args.feed}")
     print(table)
 
 

@@ -1,10 +1,11 @@
 """A small forward + backward run for compute-sanitizer (memcheck, racecheck).
 
 Odd lengths that leave partial tiles at both sequence ends, GQA, one unmasked
-and one banded call (with fully masked rows), bfloat16, per head dim given:
+and one banded call (with fully masked rows), per head dim and dtype given:
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool memcheck \
-      python3 -P csrc/cuda/tools/sanitizer_driver.py [--head-dims 128 192 256]
+      python3 -P csrc/cuda/tools/sanitizer_driver.py [--head-dims 128 192 256] \
+      [--dtypes bfloat16 float16]
 
 A second shape has more work units than the GPU has SMs (each persistent CTA
 of the Hopper forward then runs several units back to back), with a
@@ -31,6 +32,7 @@ from jflash._src.flash_attention import attention_band
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128])
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16"])
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     scale = 0.1
@@ -41,8 +43,7 @@ def main():
     )
     # Natural-log units per 64-key block; steps past exp2's float32 range too.
     rising_bias = np.asarray([0, 3, 10, 10, 25, 24, 125, 120, 130, 60, 140])
-    for d in args.head_dims:
-        dtype = jnp.bfloat16
+    for d, dtype in ((d, jnp.dtype(t)) for d in args.head_dims for t in args.dtypes):
         for b, sq, sk, h, hkv, bands, rising in shapes:
             q = rng.standard_normal((b, sq, h, d))
             k = rng.standard_normal((b, sk, hkv, d))
