@@ -960,12 +960,16 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& params, const LaunchContext& 
                                      params.v_batch_stride)),
                     take<0, 2>(typename Traits::SmemLayoutVt{}),
                     Shape<Int<kHeadDim>, Int<Traits::kBlockN>>{}),
-      make_tma_atom(SM90_TMA_STORE{},
-                    make_tensor(make_gmem_ptr(static_cast<Element*>(params.out)), shape_q,
-                                make_stride(params.out_row_stride, _1{}, params.out_head_stride,
-                                            params.out_batch_stride)),
-                    take<0, 2>(typename Traits::SmemLayoutO{}), Shape<_64, Int<kHeadDim>>{}),
+      {},  // the output's, below where the epilogue stores through shared memory
   };
+  if constexpr (Traits::kSmemEpilogue) {
+    args.tma_o = make_tma_atom(
+        SM90_TMA_STORE{},
+        make_tensor(make_gmem_ptr(static_cast<Element*>(params.out)), shape_q,
+                    make_stride(params.out_row_stride, _1{}, params.out_head_stride,
+                                params.out_batch_stride)),
+        take<0, 2>(typename Traits::SmemLayoutO{}), Shape<_64, Int<kHeadDim>>{});
+  }
   auto kernel = &flash_fwd_sm90_kernel<Traits, kBanded>;
   constexpr int kSmemBytes = Traits::kSmemBytes;
   if (cudaError_t err = cudaFuncSetAttribute(
