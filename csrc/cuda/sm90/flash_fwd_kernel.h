@@ -423,6 +423,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto release = [&](uint64_t* barrier) {
     if (warp_leader) EmptyBarrier::arrive(barrier);
   };
+  // Once a Q K^T's scores are final: its K buffer, and after the tile's last
+  // Q K^T also Q where the products read it from shared memory.
+  auto release_qk_operands = [&](int k_stage, bool last_q_k) {
+    release(&smem.k_empty[k_stage]);
+    if (!Traits::kQInRegisters && last_q_k) release(&smem.q_empty);
+  };
 
   constexpr int kRows = decltype(size<0>(s_rc))::value;  // query rows this thread holds (2)
   float row_max[kRows];  // running max of the scaled (log2-domain) scores
@@ -718,8 +724,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         convert_p();
       }
     }
-    release(&smem.k_empty[k_stage]);
-    if (!Traits::kQInRegisters && last_q_k) release(&smem.q_empty);
+    release_qk_operands(k_stage, last_q_k);
   };
 
   Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
@@ -782,9 +787,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         end_issue(false);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_s);
-        release(&smem.k_empty[slot.stage]);
-        // The tile's last Q K^T is done.
-        if (!Traits::kQInRegisters && n_tiles == 1) release(&smem.q_empty);
+        release_qk_operands(slot.stage, n_tiles == 1);
         float correction[kRows];
         softmax_step(n_block_begin, correction);
         convert_p();
@@ -807,9 +810,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int n_block = n_block_begin + i;
         float correction[kRows];
         if constexpr (!Traits::kStaleMax) {
-          release(&smem.k_empty[slot.stage]);
-          // The tile's last Q K^T is done.
-          if (!Traits::kQInRegisters && i == n_tiles - 1) release(&smem.q_empty);
+          release_qk_operands(slot.stage, i == n_tiles - 1);
           softmax_step(n_block, correction);
           pin_below(row_sum);
           warpgroup_wait<0>();
@@ -865,8 +866,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 correction[r] = 1.f;
               }
             }
-            release(&smem.k_empty[slot.stage]);
-            if (!Traits::kQInRegisters && i == n_tiles - 1) release(&smem.q_empty);
+            release_qk_operands(slot.stage, i == n_tiles - 1);
           }
         }
         warpgroup_fence_operand(acc_o);
