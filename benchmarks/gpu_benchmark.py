@@ -181,8 +181,7 @@ def main(argv=None):
         if not values or set(values) - set(allowed):
             parser.error(f"{name} takes a comma list of {','.join(allowed)}")
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
-    for head_dim in args.head_dims:
-        heads = max(1, args.model_dim // head_dim)
+    for head_dim, _, _, heads in grid(args):
         if args.group < 1 or heads % args.group:
             parser.error(f"--group {args.group} must divide the {heads} heads of head dim {head_dim}")
 

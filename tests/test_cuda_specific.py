@@ -128,6 +128,16 @@ def test_scale_sign_against_reference(rng, case, scale):
     _check_against_reference(rng, case, jnp.bfloat16, scale=scale)
 
 
+def _kernel_call(call):
+    """call()'s result, ready; a skip where a development build left the instantiation out."""
+    try:
+        return jax.block_until_ready(call())
+    except Exception as e:
+        if "JFLASH_CUDA_SUBSET" not in str(e):
+            raise
+        pytest.skip(f"instantiation not compiled in: {str(e).splitlines()[0][:200]}")
+
+
 def _check_against_reference(rng, case, dtype, scale=None):
     """out, lse and the three gradients within the 2x rule; masked rows exact."""
     b, sq, sk, h, hkv, d, lo, hi = case
@@ -142,14 +152,9 @@ def _check_against_reference(rng, case, dtype, scale=None):
     g_lse = jnp.asarray(rng.standard_normal((b, h, sq)), jnp.float32)
     kw = dict(softmax_scale=scale, diag_lo=lo, diag_hi=hi)
 
-    try:
-        got = jax.block_until_ready(
-            _run(lambda q, k, v: attention_band(q, k, v, **kw), q, k, v, g_out, g_lse)
-        )
-    except Exception as e:  # a development build may leave instantiations out
-        if "JFLASH_CUDA_SUBSET" not in str(e):
-            raise
-        pytest.skip(f"instantiation not compiled in: {str(e).splitlines()[0][:200]}")
+    got = _kernel_call(
+        lambda: _run(lambda q, k, v: attention_band(q, k, v, **kw), q, k, v, g_out, g_lse)
+    )
     truth = _run(lambda q, k, v: reference_band(q, k, v, **kw), q, k, v, g_out, g_lse)
     plain = _run(lambda q, k, v: reference_band(q, k, v, dtype=dtype, **kw), q, k, v, g_out, g_lse)
 
@@ -199,12 +204,7 @@ def test_rising_scores_against_reference(rng, case):
     q, k = jnp.asarray(q, dtype), jnp.asarray(k, dtype)
     v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
     kw = dict(softmax_scale=1.0, diag_lo=lo, diag_hi=hi)
-    try:
-        out, lse = jax.block_until_ready(jax.jit(lambda q, k, v: attention_band(q, k, v, **kw))(q, k, v))
-    except Exception as e:  # a development build may leave instantiations out
-        if "JFLASH_CUDA_SUBSET" not in str(e):
-            raise
-        pytest.skip(f"instantiation not compiled in: {str(e).splitlines()[0][:200]}")
+    out, lse = _kernel_call(lambda: jax.jit(lambda q, k, v: attention_band(q, k, v, **kw))(q, k, v))
     truth = [np.asarray(t, np.float64) for t in reference_band(q, k, v, **kw)]
     plain = reference_band(q, k, v, dtype=dtype, **kw)
     for name, x, p, t in zip(("out", "lse"), (out, lse), plain, truth):
