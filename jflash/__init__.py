@@ -5,7 +5,8 @@ NVIDIA GPUs from sm80 on, a C++ twin of the same algorithm on CPU), registered
 as XLA FFI custom calls, differentiable through jax.custom_vjp.
 """
 
-from jflash import reference
+from jflash import context_parallel, reference
+from jflash._src.context_parallel import context_parallel_strategy, sequence_layout
 from jflash._src.dot_product_attention import dot_product_attention
 from jflash._src.ffi import HAS_CUDA_KERNELS
 from jflash._src.flash_attention import LSE_NAME, OUT_NAME, flash_attention
@@ -14,6 +15,9 @@ __all__ = [
     "flash_attention",
     "dot_product_attention",
     "reference",
+    "context_parallel",
+    "context_parallel_strategy",
+    "sequence_layout",
     "HAS_CUDA_KERNELS",
     "OUT_NAME",
     "LSE_NAME",

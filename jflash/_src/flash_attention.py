@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jflash._src import kernel_calls, validation
+from jflash._src import context_parallel, kernel_calls, validation
+from jflash._src.kernel_calls import clamp_band  # noqa: F401  (re-exported)
 
 # Names for jax.checkpoint policies, e.g.
 # jax.checkpoint_policies.save_only_these_names(OUT_NAME, LSE_NAME).
@@ -36,28 +37,25 @@ def causal_band(seqlen_q: int, seqlen_k: int, causal: bool, *, bottom_right: boo
     return diag_lo, (seqlen_k - seqlen_q) if bottom_right else 0
 
 
-def clamp_band(seqlen_q: int, seqlen_k: int, diag_lo: int, diag_hi: int):
-    """Clamps a band into [-seqlen_q, seqlen_k], the range the kernels expect."""
-    lo = max(-seqlen_q, min(seqlen_k, int(diag_lo)))
-    hi = max(-seqlen_q, min(seqlen_k, int(diag_hi)))
-    return lo, hi
+# cp: the context-parallel configuration (strategy, layout, layout axis size),
+# read when the call is traced (context_parallel.current_config).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _attention(q, k, v, softmax_scale, diag_lo, diag_hi, cp):
+    return kernel_calls.fwd(
+        q, k, v, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi, context_parallel=cp
+    )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q, k, v, softmax_scale, diag_lo, diag_hi):
-    return kernel_calls.fwd(q, k, v, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi)
-
-
-def _attention_fwd(q, k, v, softmax_scale, diag_lo, diag_hi):
+def _attention_fwd(q, k, v, softmax_scale, diag_lo, diag_hi, cp):
     out, lse = kernel_calls.fwd(
-        q, k, v, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi
+        q, k, v, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi, context_parallel=cp
     )
     out = checkpoint_name(out, OUT_NAME)
     lse = checkpoint_name(lse, LSE_NAME)
     return (out, lse), (q, k, v, out, lse)
 
 
-def _attention_bwd(softmax_scale, diag_lo, diag_hi, residuals, cotangents):
+def _attention_bwd(softmax_scale, diag_lo, diag_hi, cp, residuals, cotangents):
     q, k, v, out, lse = residuals
     dout, dlse = cotangents
     return kernel_calls.bwd(
@@ -71,6 +69,7 @@ def _attention_bwd(softmax_scale, diag_lo, diag_hi, residuals, cotangents):
         softmax_scale=softmax_scale,
         diag_lo=diag_lo,
         diag_hi=diag_hi,
+        context_parallel=cp,
     )
 
 
@@ -79,6 +78,11 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi):
     """Attention with the band mask diag_lo <= j - i <= diag_hi; returns (out, lse).
+
+    Positions i, j are true token positions: under
+    jflash.context_parallel.sequence_layout("zigzag", n) the sequence axis holds
+    the tokens permuted by shard_sequence. A sequence-sharded call runs
+    context-parallel with the strategy of jflash.context_parallel_strategy.
 
     For validated inputs (see flash_attention); the entry point that other
     front ends (the jax.nn drop-in, Flax modules) build on.
@@ -90,7 +94,8 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi):
     if kernel_head_dim != head_dim:
         pad = [(0, 0), (0, 0), (0, 0), (0, kernel_head_dim - head_dim)]
         query, key, value = (jnp.pad(x, pad) for x in (query, key, value))
-    out, lse = _attention(query, key, value, float(softmax_scale), diag_lo, diag_hi)
+    cp = context_parallel.current_config()
+    out, lse = _attention(query, key, value, float(softmax_scale), diag_lo, diag_hi, cp)
     if kernel_head_dim != head_dim:
         out = out[..., :head_dim]
     return out, lse

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jflash._src import context_parallel as _cp
 from jflash._src import ffi as _ffi
 from jflash._src import sharding
 
@@ -31,7 +32,14 @@ def padded_head_dim(head_dim: int) -> int:
     raise ValueError(f"head_dim {head_dim} exceeds {KERNEL_HEAD_DIMS[-1]}")
 
 
-def _fwd_native(q, k, v, *, softmax_scale, diag_lo, diag_hi):
+def clamp_band(seqlen_q: int, seqlen_k: int, diag_lo: int, diag_hi: int):
+    """Clamps a band into [-seqlen_q, seqlen_k], the range the kernels expect."""
+    lo = max(-seqlen_q, min(seqlen_k, int(diag_lo)))
+    hi = max(-seqlen_q, min(seqlen_k, int(diag_hi)))
+    return lo, hi
+
+
+def _fwd_ffi(q, k, v, *, softmax_scale, diag_lo, diag_hi):
     *lead, seqlen_q, num_heads, _ = q.shape
     call = jax.ffi.ffi_call(
         _ffi.FWD_TARGET,
@@ -53,7 +61,7 @@ def _fwd_native(q, k, v, *, softmax_scale, diag_lo, diag_hi):
     )
 
 
-def _bwd_native(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi):
+def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi):
     *lead, seqlen_q, num_heads, head_dim = q.shape
     f32 = jnp.float32
     call = jax.ffi.ffi_call(
@@ -84,10 +92,50 @@ def _bwd_native(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_h
     return dq, dk, dv
 
 
+def fwd_band_call(softmax_scale):
+    """call(q, k, v, diag_lo, diag_hi) -> (out, lse): the forward kernel on any
+    arrays, its band clamped to their lengths (context_parallel.py's chunk pairs)."""
+
+    def call(q, k, v, diag_lo, diag_hi):
+        lo, hi = clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
+        return _fwd_ffi(q, k, v, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi)
+
+    return call
+
+
+def bwd_band_call(softmax_scale):
+    """call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi) -> (dq, dk, dv)."""
+
+    def call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi):
+        lo, hi = clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
+        return _bwd_ffi(
+            q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi
+        )
+
+    return call
+
+
+def _fwd_body(q, k, v, *, softmax_scale, diag_lo, diag_hi, context_parallel):
+    """The forward of a whole sequence, in the token order context_parallel declares."""
+    return _cp.full_sequence_fwd(
+        q, k, v, diag_lo=diag_lo, diag_hi=diag_hi, config=context_parallel,
+        call=fwd_band_call(softmax_scale),
+    )
+
+
+def _bwd_body(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi,
+              context_parallel):
+    return _cp.full_sequence_bwd(
+        q, k, v, out, dout, lse, dlse, diag_lo=diag_lo, diag_hi=diag_hi,
+        config=context_parallel, call=bwd_band_call(softmax_scale),
+    )
+
+
 # Under jax.jit with sharded operands, each device runs the kernels on its own
-# batch/heads shard (sharding.py has the rules and what they gather).
-_fwd_native = sharding.partitioned_fwd(_fwd_native)
-_bwd_native = sharding.partitioned_bwd(_bwd_native)
+# batch/heads shard, and a sequence shard runs context-parallel (sharding.py has
+# the rules and what they gather; context_parallel.py the ring).
+_fwd_native = sharding.partitioned_fwd(_fwd_body, fwd_band_call)
+_bwd_native = sharding.partitioned_bwd(_bwd_body, bwd_band_call)
 
 
 # float32 inputs: the CPU kernel computes in float32 natively. The GPU kernels
@@ -98,9 +146,13 @@ _bwd_native = sharding.partitioned_bwd(_bwd_native)
 _GPU_COMPUTE_DTYPE = jnp.bfloat16
 
 
-def fwd(q, k, v, *, softmax_scale, diag_lo, diag_hi):
-    """(out, lse) for kernel-ready inputs; lse is float32 [batch, heads, seqlen_q]."""
-    kw = dict(softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi)
+def fwd(q, k, v, *, softmax_scale, diag_lo, diag_hi, context_parallel=_cp.DEFAULT_CONFIG):
+    """(out, lse) for kernel-ready inputs; lse is float32 [batch, heads, seqlen_q].
+
+    context_parallel: (strategy, layout, layout axis size), context_parallel.py.
+    """
+    kw = dict(softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
+              context_parallel=context_parallel)
     if q.dtype != jnp.float32:
         return _fwd_native(q, k, v, **kw)
 
@@ -114,9 +166,11 @@ def fwd(q, k, v, *, softmax_scale, diag_lo, diag_hi):
     )
 
 
-def bwd(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi):
+def bwd(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi,
+        context_parallel=_cp.DEFAULT_CONFIG):
     """(dq, dk, dv) in the input dtype, recomputing attention from (q, k, v, out, lse)."""
-    kw = dict(softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi)
+    kw = dict(softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
+              context_parallel=context_parallel)
     if q.dtype != jnp.float32:
         return _bwd_native(q, k, v, out, dout, lse, dlse, **kw)
 

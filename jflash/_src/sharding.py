@@ -13,11 +13,12 @@ sharding rule, one factor per dimension:
 
 Query heads are the compound factor (hk g): kv head hk serves query heads
 hk * g ... hk * g + g - 1 (GQA), so sharding heads shards q and k/v alike.
-Factors the kernels cannot split need replication, and Shardy gathers them
-before the call (correct, not free):
-  sq, sk  the band mask is written in absolute positions, so a sequence shard
-          would need its own offsets (sequence parallelism is ring attention);
-  d       contracted in q.k.
+The head dim d is contracted in q.k and needs replication (Shardy gathers it
+before the call). A query sequence sharded over mesh axes runs context-parallel
+(context_parallel.py): k and v are sharded like q along the sequence, and the
+per-device lowering is a ring of ppermutes, or an all-gather of K/V, around
+kernel calls on chunk pairs, with their own band offsets. Masks or lengths that
+context_parallel.make_plan does not take are gathered along the sequence.
 Query heads split finer than kv heads (a shard of g) work for MQA: its one kv
 head stays replicated, and in the backward each device's dk, dv, which sum over
 its own query heads only, are summed across devices (an all-reduce). Other
@@ -40,11 +41,14 @@ the plain FFI call, inline there.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
+
+from jflash._src import context_parallel as cp
 
 # HLO collectives that a batch- or heads-sharded call must not need.
 AVOIDED_COLLECTIVES = ("all-gather", "all-to-all", "collective-permute")
@@ -72,7 +76,7 @@ def _rule(value_types, operands, results):
     h, sizes = _heads_factor(num_heads, num_heads_kv)
     spelled = {"q": f"... b sq {h} d", "kv": "... b sk hk d", "row": f"... b {h} sq"}
     rule = ", ".join(spelled[x] for x in operands) + " -> " + ", ".join(spelled[x] for x in results)
-    return rule, dict(sizes, need_replication_factors=_in_rule_order(rule, ("sq", "sk", "d")))
+    return rule, dict(sizes, need_replication_factors=_in_rule_order(rule, ("d",)))
 
 
 def _fwd_rule(static, mesh, value_types, result_types):
@@ -103,9 +107,13 @@ def _spec(sharding, ndim, mesh):
     return spec + (None,) * (ndim - len(spec))
 
 
-def _local_shardings(mesh, arg_shapes):
-    """(q-like, kv, row) shardings for the per-device call, and the mesh axes
-    over which per-device dk, dv are partial sums.
+def _local_shardings(mesh, arg_shapes, static):
+    """(q-like, kv, row) shardings for the per-device call, the mesh axes over
+    which per-device dk, dv are partial sums, and the context-parallel Plan (or
+    None).
+
+    A sharded query sequence keeps its mesh axes when context_parallel.make_plan
+    accepts the call (k and v are then sharded alike); otherwise it is gathered.
 
     Only leading/batch and heads axes stay sharded, and heads only when every
     device's query heads read exactly its own kv heads: kv heads sharded like
@@ -121,7 +129,7 @@ def _local_shardings(mesh, arg_shapes):
             from jax._src.sharding_impls import GSPMDSharding
 
             devices = q.sharding._device_assignment  # noqa: SLF001
-            return (GSPMDSharding.get_replicated(devices),) * 3, ()
+            return (GSPMDSharding.get_replicated(devices),) * 3, (), None
         q_spec = (None,) * len(q.shape)
     lead = q_spec[:-3]  # vmapped axes and batch
     heads = q_spec[-2]
@@ -131,20 +139,47 @@ def _local_shardings(mesh, arg_shapes):
         heads = heads_kv = None
     partial_axes = ()
     if mqa_split:  # the spec entry of a dim is one axis name or a tuple of them
-        partial_axes = (heads,) if isinstance(heads, str) else tuple(heads)
+        partial_axes = _axes(heads)
+
+    seq, plan = q_spec[-3], None
+    if seq is not None:
+        seq_axes = _axes(seq)
+        heads_devices = math.prod(mesh.shape[a] for a in _axes(heads)) if heads else 1
+        heads_kv_devices = math.prod(mesh.shape[a] for a in _axes(heads_kv)) if heads_kv else 1
+        plan = cp.make_plan(
+            static["context_parallel"],
+            axis_name=seq_axes[0] if len(seq_axes) == 1 else seq_axes,
+            axis_size=math.prod(mesh.shape[a] for a in seq_axes),
+            seqlen_q=q.shape[-3],
+            seqlen_k=k.shape[-3],
+            num_heads=q.shape[-2] // heads_devices,
+            num_heads_kv=k.shape[-2] // heads_kv_devices,
+            diag_lo=static["diag_lo"],
+            diag_hi=static["diag_hi"],
+        )
+        if plan is None:
+            seq = None
 
     def named(*dims):
         return NamedSharding(mesh, PartitionSpec(*lead, *dims))
 
-    shardings = named(None, heads, None), named(None, heads_kv, None), named(heads, None)
-    return shardings, partial_axes
+    shardings = named(seq, heads, None), named(seq, heads_kv, None), named(heads, seq)
+    return shardings, partial_axes, plan
 
 
-def _partitioned(call, rule, local_shardings, result_specs):
+def _axes(entry):
+    """The mesh axes of a PartitionSpec entry (one name or a tuple of them)."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _partitioned(call, rule, local_shardings, result_specs, band_call):
     """custom_partitioning of call(*arrays, **static) with a custom_vmap around it.
 
     result_specs maps the operands' full PartitionSpecs to the results' specs
-    (used under Explicit mesh axes only)."""
+    (used under Explicit mesh axes only). band_call(softmax_scale) is the kernel
+    on chunk pairs that a context-parallel lowering calls."""
 
     @functools.partial(custom_partitioning, static_argnums=(0,))
     def partitioned(static, *arrays):
@@ -152,8 +187,11 @@ def _partitioned(call, rule, local_shardings, result_specs):
 
     def partition(static, mesh, arg_shapes, result_shape):
         del result_shape
-        lower = functools.partial(call, **dict(static))
-        result_shardings, arg_shardings, lower = local_shardings(mesh, arg_shapes, lower)
+        static = dict(static)
+        lower = functools.partial(call, **static)
+        result_shardings, arg_shardings, lower = local_shardings(
+            mesh, arg_shapes, lower, static, band_call
+        )
         return mesh, lower, result_shardings, arg_shardings
 
     partitioned.def_partition(partition=partition, sharding_rule=rule, decode_shardings=False)
@@ -223,13 +261,21 @@ def _restore_varying_axes(operands, results):
     return jax.tree.map(cast, results)
 
 
-def _fwd_shardings(mesh, arg_shapes, lower):
-    (q_like, kv, row), _ = _local_shardings(mesh, arg_shapes)
+def _fwd_shardings(mesh, arg_shapes, lower, static, band_call):
+    (q_like, kv, row), _, plan = _local_shardings(mesh, arg_shapes, static)
+    if plan is not None:
+        lower = functools.partial(
+            cp.sharded_fwd, plan=plan, call=band_call(static["softmax_scale"])
+        )
     return (q_like, row), (q_like, kv, kv), lower
 
 
-def _bwd_shardings(mesh, arg_shapes, lower):
-    (q_like, kv, row), partial_axes = _local_shardings(mesh, arg_shapes)
+def _bwd_shardings(mesh, arg_shapes, lower, static, band_call):
+    (q_like, kv, row), partial_axes, plan = _local_shardings(mesh, arg_shapes, static)
+    if plan is not None:
+        lower = functools.partial(
+            cp.sharded_bwd, plan=plan, call=band_call(static["softmax_scale"])
+        )
     if partial_axes:
         unsummed = lower
 
@@ -253,11 +299,11 @@ def _bwd_result_specs(specs):
     return specs[0], specs[1], specs[2]  # dq, dk, dv typed like q, k, v
 
 
-def partitioned_fwd(call):
+def partitioned_fwd(call, band_call):
     """call(q, k, v, **static) -> (out, lse), partitioned by the forward rule."""
-    return _partitioned(call, _fwd_rule, _fwd_shardings, _fwd_result_specs)
+    return _partitioned(call, _fwd_rule, _fwd_shardings, _fwd_result_specs, band_call)
 
 
-def partitioned_bwd(call):
+def partitioned_bwd(call, band_call):
     """call(q, k, v, out, dout, lse, dlse, **static) -> (dq, dk, dv), by the backward rule."""
-    return _partitioned(call, _bwd_rule, _bwd_shardings, _bwd_result_specs)
+    return _partitioned(call, _bwd_rule, _bwd_shardings, _bwd_result_specs, band_call)
