@@ -3,7 +3,8 @@
 Batch- and heads-sharded operands must partition the forward and backward
 custom calls with no all-gather, all-to-all or collective-permute in the
 optimized HLO; every sharded result must equal the unsharded call. Sequence
-sharding is not partitioned (the kernels gather), but must stay correct.
+sharding runs context-parallel (tests/test_context_parallel.py has its checks);
+the cases here only check that it stays correct beside the other shardings.
 """
 
 from __future__ import annotations
@@ -71,10 +72,10 @@ def _run_sharded(mesh, q_spec, kv_spec, q, k, v, dout):
     return fwd(*args[:3]), bwd(*args), _collectives(fwd), _collectives(bwd)
 
 
-def _assert_equal_trees(got, want):
+def _assert_equal_trees(got, want, tol=1e-6):
     jax.tree.map(
         lambda g, w: np.testing.assert_allclose(
-            np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-6, atol=1e-6
+            np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol
         ),
         got,
         want,
@@ -142,7 +143,7 @@ def test_mqa_heads_sharded(rng):
 
 
 GATHERED = {
-    # The band is in absolute positions: sequence shards are gathered.
+    # Sequence shards run context-parallel (k is sharded like q when it is not).
     "sequence": (P(None, "model"), P(None, "model"), 4),
     "sequence of q only": (P("data", "model"), P("data"), 4),
     # 2 kv heads cannot follow 8 query heads over 4 devices (Shardy splits the
@@ -156,8 +157,11 @@ def test_gathering_shardings_are_correct(rng, case):
     q_spec, kv_spec, heads_kv = GATHERED[case]
     q, k, v, dout = _qkv(rng, heads_kv=heads_kv)
     out, grads, _, _ = _run_sharded(_mesh(), q_spec, kv_spec, q, k, v, dout)
-    _assert_equal_trees(out, _attention(q, k, v))
-    _assert_equal_trees(grads, _grads(q, k, v, dout))
+    # Context parallelism merges partial rows through their lse: equal up to
+    # float32 rounding, not bit for bit.
+    tol = 1e-5 if case.startswith("sequence") else 1e-6
+    _assert_equal_trees(out, _attention(q, k, v), tol)
+    _assert_equal_trees(grads, _grads(q, k, v, dout), tol)
 
 
 def test_vmap_of_sharded_call(rng):

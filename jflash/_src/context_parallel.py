@@ -289,17 +289,45 @@ def sharded_fwd(q, k, v, *, plan, call):
     return _ring_fwd(q, k, v, plan=plan, call=call)
 
 
+def _ring_loop(first, step, last, n, carry, kv, plan):
+    """Runs step 0, then steps 1 .. n-1 with the K/V block of device (idx - s) % n.
+
+    The transfer of the next block is issued before the compute of the current
+    one, so XLA can overlap them; steps 1 .. n-2 run in a fori_loop, so each
+    device holds two K/V blocks at a time, whatever n.
+    first(carry, kv), step(carry, kv, s) and last(carry) return the new carry.
+    """
+
+    def send(x):
+        return jax.lax.ppermute(x, plan.axis_name, _ring_perm(n))
+
+    if n == 1:
+        return last(first(carry, kv))
+    incoming = send(kv)
+    carry = first(carry, kv)
+
+    def body(s, state):
+        carry, kv = state
+        incoming = send(kv)  # for step s + 1, before step s computes
+        return step(carry, kv, s), incoming
+
+    carry, kv = jax.lax.fori_loop(1, n - 1, body, (carry, incoming))
+    return last(step(carry, kv, n - 1))
+
+
 def _ring_fwd(q, k, v, *, plan, call):
-    n = plan.axis_size
     lq, lk = q.shape[-3], k.shape[-3]
     idx = _axis_index(plan)
-    out, lse = call(q, k, v, -lq, 0 if plan.causal else lk)  # step 0: the device's own block
-    acc = (out.astype(_F32), lse)
-    kv = (k, v)
-    for step in range(1, n):
-        kv = jax.lax.ppermute(kv, plan.axis_name, _ring_perm(n))
-        acc = _ring_fwd_step(q, kv, acc, step, idx, plan, call)
-    return acc[0].astype(q.dtype), acc[1]
+
+    def first(_, kv):  # the device's own block
+        out, lse = call(q, *kv, -lq, 0 if plan.causal else lk)
+        return out.astype(_F32), lse
+
+    def step(acc, kv, s):
+        return _ring_fwd_step(q, kv, acc, s, idx, plan, call)
+
+    out, lse = _ring_loop(first, step, lambda acc: acc, plan.axis_size, None, (k, v), plan)
+    return out.astype(q.dtype), lse
 
 
 def _ring_fwd_step(q, kv, acc, step, idx, plan, call):
@@ -404,18 +432,28 @@ def sharded_bwd(q, k, v, out, dout, lse, dlse, *, plan, call):
 
 
 def _ring_bwd(q, k, v, out, dout, lse, dlse, *, plan, call):
-    n = plan.axis_size
     lq, lk = q.shape[-3], k.shape[-3]
+    n = plan.axis_size
     idx = _axis_index(plan)
     rows = (q, out, dout, lse, dlse)
-    dq, dk, dv = call(*rows[:1], k, v, *rows[1:], -lq, 0 if plan.causal else lk)
-    dq, dk, dv = (x.astype(_F32) for x in (dq, dk, dv))
-    kv = (k, v)
-    for step in range(1, n):
-        kv = jax.lax.ppermute(kv, plan.axis_name, _ring_perm(n))  # issued before the step
-        dk, dv = jax.lax.ppermute((dk, dv), plan.axis_name, _ring_perm(n))  # follow their kv
-        dq, dk, dv = _ring_bwd_step(rows, kv, (dq, dk, dv), step, idx, plan, call)
-    dk, dv = jax.lax.ppermute((dk, dv), plan.axis_name, _ring_perm(n))  # home
+
+    def send(x):
+        return jax.lax.ppermute(x, plan.axis_name, _ring_perm(n))
+
+    def first(_, kv):
+        grads = call(q, *kv, out, dout, lse, dlse, -lq, 0 if plan.causal else lk)
+        return tuple(g.astype(_F32) for g in grads)
+
+    def step(acc, kv, s):
+        dq, dk, dv = acc
+        dk, dv = send((dk, dv))  # the accumulators follow their K/V block
+        return _ring_bwd_step(rows, kv, (dq, dk, dv), s, idx, plan, call)
+
+    def last(acc):
+        dq, dk, dv = acc
+        return (dq, *send((dk, dv))) if n > 1 else acc  # home to the block's device
+
+    dq, dk, dv = _ring_loop(first, step, last, n, None, (k, v), plan)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

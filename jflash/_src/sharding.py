@@ -261,21 +261,34 @@ def _restore_varying_axes(operands, results):
     return jax.tree.map(cast, results)
 
 
+def _without_mesh_context(fn):
+    """fn traced with no mesh in context: a partitioned call's lowering is traced
+    during compilation, possibly under jax.set_mesh (Explicit axes), where jnp
+    ops would add sharding annotations that nothing partitions any more."""
+
+    @functools.wraps(fn)
+    def wrapped(*args):
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            return fn(*args)
+
+    return wrapped
+
+
 def _fwd_shardings(mesh, arg_shapes, lower, static, band_call):
     (q_like, kv, row), _, plan = _local_shardings(mesh, arg_shapes, static)
     if plan is not None:
-        lower = functools.partial(
+        lower = _without_mesh_context(functools.partial(
             cp.sharded_fwd, plan=plan, call=band_call(static["softmax_scale"])
-        )
+        ))
     return (q_like, row), (q_like, kv, kv), lower
 
 
 def _bwd_shardings(mesh, arg_shapes, lower, static, band_call):
     (q_like, kv, row), partial_axes, plan = _local_shardings(mesh, arg_shapes, static)
     if plan is not None:
-        lower = functools.partial(
+        lower = _without_mesh_context(functools.partial(
             cp.sharded_bwd, plan=plan, call=band_call(static["softmax_scale"])
-        )
+        ))
     if partial_axes:
         unsummed = lower
 
