@@ -11,6 +11,14 @@ runs attention on its own batch shard). On CPU, try several host devices:
 
     python examples/train_transformer.py --host-devices 8
 
+--context-parallel N shards the sequence over N devices as well (a
+("data", "seq") mesh): tokens are put in the zigzag layout with
+jflash.context_parallel.shard_sequence, and jflash's attention runs as ring
+attention over "seq" (jflash.context_parallel_strategy picks ring or
+all-gather). For example, on 8 simulated CPU devices:
+
+    python examples/train_transformer.py --host-devices 8 --context-parallel 4
+
 The same model with jax.nn.dot_product_attention (implementation="xla") is
 trained beside it for the first --check-steps steps from the same parameters
 and data; the two losses must agree at that step within --check-rtol. Uses the
@@ -20,6 +28,7 @@ CUDA kernels when jax sees a GPU (then in bfloat16), the CPU kernels otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -40,6 +49,9 @@ def parse_args():
     p.add_argument("--check-steps", type=int, default=100, help="0 to skip the comparison")
     p.add_argument("--check-rtol", type=float, default=None, help="default 1e-3 f32, 3e-2 bf16")
     p.add_argument("--host-devices", type=int, default=None, help="CPU devices to simulate")
+    p.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                   help="shard the sequence over N devices (ring attention, zigzag layout)")
+    p.add_argument("--cp-strategy", default="auto", choices=("auto", "ring", "all_gather"))
     return p.parse_args()
 
 
@@ -93,9 +105,12 @@ class Transformer(nn.Module):
     implementation: str = "jflash"  # "jflash": never silently falls back
 
     @nn.compact
-    def __call__(self, tokens):  # tokens [batch, seq] -> logits [batch, seq, vocab]
+    def __call__(self, tokens, positions=None):  # tokens [batch, seq] -> logits [batch, seq, vocab]
         pos = self.param("pos", nn.initializers.normal(0.02), (self.max_len, self.d_model))
-        x = nn.Embed(self.vocab, self.d_model)(tokens) + pos[: tokens.shape[1]]
+        # positions: the true position of each token (a permutation under the
+        # zigzag layout of context parallelism), natural order by default.
+        pos = pos[: tokens.shape[1]] if positions is None else pos[positions]
+        x = nn.Embed(self.vocab, self.d_model)(tokens) + pos
         for _ in range(self.layers):
             x = Block(self.num_heads, self.num_kv_heads, self.dtype, self.implementation)(x)
         x = nn.LayerNorm(dtype=self.dtype)(x)
@@ -103,16 +118,18 @@ class Transformer(nn.Module):
 
 
 def copy_task_batch(rng, batch, seq_len, vocab):
-    """inputs, targets [batch, seq_len - 1] and loss weights (1 on the copied half)."""
-    half = seq_len // 2
+    """inputs, targets [batch, seq_len] and loss weights (1 on the copied half)."""
+    half = (seq_len + 1) // 2
     first = rng.integers(0, vocab, size=(batch, half), dtype=np.int32)
     tokens = np.concatenate([first, first], axis=1)
-    weights = (np.arange(seq_len - 1) >= half - 1).astype(np.float32)  # target t+1 >= half
-    return tokens[:, :-1], tokens[:, 1:], np.broadcast_to(weights, (batch, seq_len - 1))
+    if tokens.shape[1] < seq_len + 1:
+        tokens = np.concatenate([tokens, first[:, :1]], axis=1)
+    weights = (np.arange(seq_len) >= half - 1).astype(np.float32)  # target t+1 >= half
+    return tokens[:, :seq_len], tokens[:, 1 : seq_len + 1], np.broadcast_to(weights, (batch, seq_len))
 
 
-def loss_fn(model, params, inputs, targets, weights):
-    logits = model.apply({"params": params}, inputs)
+def loss_fn(model, params, inputs, targets, weights, positions=None):
+    logits = model.apply({"params": params}, inputs, positions)
     log_probs = jax.nn.log_softmax(logits)
     nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
     return jnp.sum(nll * weights) / jnp.sum(weights)
@@ -142,16 +159,26 @@ def adam(lr, b1=0.9, b2=0.99, eps=1e-8):
     return init, update
 
 
-def make_train_step(model, optimizer_update):
+def make_train_step(model, optimizer_update, positions=None, context=None):
+    """A jitted step; context(), when given, is entered around each call (jflash
+    reads its context-parallel settings when the step is traced)."""
+
     @jax.jit
     def train_step(params, opt_state, inputs, targets, weights):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(model, p, inputs, targets, weights))(
-            params
-        )
+        loss, grads = jax.value_and_grad(
+            lambda p: loss_fn(model, p, inputs, targets, weights, positions)
+        )(params)
         params, opt_state = optimizer_update(params, grads, opt_state)
         return params, opt_state, loss
 
-    return train_step
+    if context is None:
+        return train_step
+
+    def step_in_context(*args):
+        with context():
+            return train_step(*args)
+
+    return step_in_context
 
 
 class Progress:
@@ -184,16 +211,28 @@ def main(args):
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     rtol = args.check_rtol or (3e-2 if dtype == jnp.bfloat16 else 1e-3)
-    batch = -(-args.batch // len(devices)) * len(devices)  # a multiple of the device count
+    cp = args.context_parallel
+    if cp < 1 or len(devices) % cp:
+        raise SystemExit(f"--context-parallel {cp} must divide the {len(devices)} devices")
+    if cp > 1 and args.seq_len % (2 * cp):
+        raise SystemExit(
+            f"--context-parallel {cp}: --seq-len {args.seq_len} must be a multiple of 2 * {cp} "
+            "(the zigzag layout cuts the sequence into 2 chunks per device)"
+        )
+    data_devices = len(devices) // cp
+    batch = -(-args.batch // data_devices) * data_devices  # a multiple of the data axis
     print(
         f"{len(devices)} {jax.default_backend()} device(s), global batch {batch}, "
         f"{dtype.__name__}, jflash CUDA kernels built: {jflash.HAS_CUDA_KERNELS}"
+        + (f", sequence over {cp} devices ({args.cp_strategy})" if cp > 1 else "")
     )
 
     # Data parallel: the batch is split over a "data" mesh axis, parameters and
     # optimizer state are replicated; jit partitions the step from these shardings.
-    mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    data_sharding = NamedSharding(mesh, P("data"))
+    # Context parallel: the sequence is split over a "seq" axis as well.
+    mesh = jax.make_mesh((data_devices, cp), ("data", "seq"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    data_sharding = NamedSharding(mesh, P("data", "seq" if cp > 1 else None))
     replicated = NamedSharding(mesh, P())
 
     config = dict(
@@ -214,21 +253,37 @@ def main(args):
     params = jax.device_put(params, replicated)
     init, update = adam(args.lr)
     opt_state = jax.device_put(init(params), replicated)
-    train_step = make_train_step(model, update)
-    reference_step = make_train_step(reference, update)
+    positions, context, layout = None, None, (lambda x: x)
+    if cp > 1:
+        from jflash.context_parallel import shard_sequence
+
+        def layout(x):  # tokens into the zigzag layout: balanced causal work
+            return shard_sequence(x, cp)
+
+        positions = np.asarray(layout(np.arange(args.seq_len)[None]))[0]
+
+        def context():
+            with jflash.context_parallel_strategy(args.cp_strategy):
+                with jflash.sequence_layout("zigzag", cp):
+                    yield
+
+        context = contextlib.contextmanager(context)
+    train_step = make_train_step(model, update, positions, context)
+    reference_step = make_train_step(reference, update)  # unsharded sequence, token order
     ref_params, ref_state = params, opt_state
 
     progress = Progress(args.steps)
     check = None
     for step in range(1, args.steps + 1):
-        inputs, targets, weights = (
-            jax.device_put(x, data_sharding)
-            for x in copy_task_batch(data_rng, batch, args.seq_len, args.vocab)
-        )
+        data = copy_task_batch(data_rng, batch, args.seq_len, args.vocab)
         if step <= args.check_steps:
             ref_params, ref_state, ref_loss = reference_step(
-                ref_params, ref_state, inputs, targets, weights
+                ref_params, ref_state, *(jax.device_put(x, NamedSharding(mesh, P("data")))
+                                         for x in data)
             )
+        inputs, targets, weights = (
+            jax.device_put(np.asarray(layout(x)), data_sharding) for x in data
+        )
         params, opt_state, loss = train_step(params, opt_state, inputs, targets, weights)
         if step == args.check_steps:
             check = (float(loss), float(ref_loss))
