@@ -226,4 +226,27 @@ constexpr Sm90FwdTile sm90_fwd_tile_short_band(int head_dim) {
   }
 }
 
+// Hopper backward (csrc/cuda/sm90/flash_bwd_kernel_sm90.h): a CTA keeps
+// block_n keys' K, V and dK, dV accumulators on chip and walks the query
+// blocks; one producer warpgroup and block_n / 64 consumer warpgroups, 64 keys
+// each. Head dims without an entry run the sm80 backward on Hopper too.
+struct Sm90BwdTile {
+  int block_m;   // query rows per step (the N of S^T = K Q^T, the K of dV, dK)
+  int block_n;   // keys per CTA: 64 per consumer warpgroup
+  int q_stages;  // buffers of the Q and dO tiles (the next steps' load ahead)
+};
+
+// registers per consumer thread: dK and dV accumulators 2 * 64 * head_dim /
+// 128 floats, S^T and dP^T block_m / 2 floats each, dQ head_dim / 4 floats
+// (block_m 64), under the setmaxnreg budget of 240.
+// smem = (2 * block_n + 2 * q_stages * block_m) * head_dim * 2 bytes (K, V,
+// Q and dO) + 2 * block_m * block_n * 2 bytes (dS, two buffers).
+constexpr Sm90BwdTile sm90_bwd_tile(int head_dim) {
+  switch (head_dim) {
+    case 64: return {64, 128, 2};   // 96 KB
+    case 128: return {64, 128, 2};  // 160 KB
+    default: return {0, 0, 0};
+  }
+}
+
 }  // namespace jflash::cuda

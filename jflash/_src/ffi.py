@@ -103,13 +103,26 @@ def cuda_forward_family(dtype, head_dim: int, banded: bool) -> int:
     return int(_cuda_lib.jflash_cuda_forward_family(code, int(head_dim), int(bool(banded))))
 
 
+def cuda_backward_family(dtype, head_dim: int, banded: bool) -> int:
+    """The CUDA backward kernel a call would run on the current GPU.
+
+    The same codes as cuda_forward_family, under JFLASH_CUDA_BACKWARD. Calls whose
+    tensors the Hopper kernel cannot take (TMA's 16-byte alignment, an empty
+    sequence) run the sm80 backward whatever this says.
+    """
+    code = _cuda_dtype_code(dtype)
+    if code is None:
+        return 0
+    return int(_cuda_lib.jflash_cuda_backward_family(code, int(head_dim), int(bool(banded))))
+
+
 def cuda_kernel_smem_bytes(direction: str, dtype, head_dim: int, banded: bool) -> int:
     """Shared memory per block of the CUDA kernel a call would run on the current GPU.
 
     direction: "fwd" or "bwd". The handler picks the small-shared-memory tile
     column (csrc/cuda/tile_sizes.h) where the device, or JFLASH_CUDA_SMEM_LIMIT,
     allows less than the default tile needs. 0: that kernel was not built; -1:
-    no usable GPU, or an invalid JFLASH_CUDA_FORWARD / JFLASH_CUDA_SMEM_LIMIT.
+    no usable GPU, or an invalid JFLASH_CUDA_FORWARD / _BACKWARD / _SMEM_LIMIT.
     For tests and benchmarks, like cuda_forward_family.
     """
     if direction not in ("fwd", "bwd"):
