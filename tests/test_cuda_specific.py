@@ -30,7 +30,7 @@ import pytest
 import jflash
 from checks import assert_within_rule
 from jflash._src.flash_attention import attention_band
-from jflash._src.ffi import cuda_forward_family, cuda_kernel_smem_bytes
+from jflash._src.ffi import cuda_backward_family, cuda_forward_family, cuda_kernel_smem_bytes
 from jflash.reference import attention_band as reference_band
 
 pytestmark = pytest.mark.skipif(

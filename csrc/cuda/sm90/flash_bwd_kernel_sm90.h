@@ -13,7 +13,7 @@
 //   dS^T = P^T * (dP^T - delta)
 //   dK  += dS^T Q                   (wgmma, dS^T from registers)
 //   dQ   = dS K                     (wgmma, dS from shared memory), added into
-//                                    the float32 dq_accum with atomics
+//                                    the float32 dq_accum by a TMA reduce-add
 //
 // Computing S^T and dP^T (keys along M) rather than S and dP leaves P^T and
 // dS^T in the accumulator layout that is the register A operand of the dV and
@@ -123,6 +123,15 @@ struct BwdTraitsSm90 {
   using SmemCopydS = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{},
                                                 TiledMmaSdP{}));
 
+  // Each consumer's dQ tile (block_m x head_dim / consumers floats) goes
+  // through shared memory to a TMA reduce-add into dq_accum: the tensor-memory
+  // unit does the float32 additions in L2 asynchronously, in place of 8-byte
+  // atomics from every consumer thread.
+  static constexpr int kDqCols = kHeadDim / kConsumerWarpgroups;
+  using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{},
+                                              Shape<Int<kBlockM>, Int<kDqCols>,
+                                                    Int<kConsumerWarpgroups>>{}));
+
   // Global views the TMA descriptors are built from, [seq, head_dim, heads, batch].
   using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
   using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
@@ -133,6 +142,10 @@ struct BwdTraitsSm90 {
       SmemLayout{}, TileShape{}));
   using TmaQ = Tma<decltype(take<0, 2>(SmemLayoutQ{})), Shape<Int<kBlockM>, Int<kHeadDim>>>;
   using TmaK = Tma<SmemLayoutK, Shape<Int<kBlockN>, Int<kHeadDim>>>;
+  using TmadQ = decltype(make_tma_atom(
+      SM90_TMA_REDUCE_ADD{},
+      make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), GmemShape{}, GmemStride{}),
+      take<0, 2>(SmemLayoutdQ{}), Shape<Int<kBlockM>, Int<kDqCols>>{}));
 
   CUTE_HOST_DEVICE static auto shape_q(const BwdParams& p) {
     return make_shape(p.seqlen_q, int32_t{kHeadDim}, p.num_heads, p.batch);
@@ -151,6 +164,7 @@ struct BwdTraitsSm90 {
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> dout;
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutdS>> ds;
+    alignas(1024) cute::ArrayEngine<float, cosize_v<SmemLayoutdQ>> dq;
     alignas(8) uint64_t kv_full;
     uint64_t qdo_full[kStages];
     uint64_t qdo_empty[kStages];
@@ -168,6 +182,7 @@ struct BwdArgsSm90 {
   typename Traits::TmaQ tma_dout;
   typename Traits::TmaK tma_k;
   typename Traits::TmaK tma_v;
+  typename Traits::TmadQ tma_dq;  // reduce-add into dq_accum, [seqlen_q, head_dim, heads, batch]
 };
 
 // The query blocks one key block visits, and the (query head, query block)
@@ -319,6 +334,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto thr_copy_ds = smem_copy_ds.get_thread_slice(tidx);
   Tensor tdSsdS = thr_copy_ds.partition_D(sdSt);  // (CPY, CPY_M, CPY_N, buffer)
 
+  // This consumer's dQ staging buffer, and its slice of the (block_m x
+  // head_dim) dQ tile as the dQ product's accumulator partition sees it.
+  const int consumer = tidx / 128;
+  Tensor sdQ = make_tensor(make_smem_ptr(smem.dq.begin()), typename Traits::SmemLayoutdQ{});
+  Tensor tdQsdQ = thr_dq.partition_C(group_modes<1, 3>(sdQ));  // as acc_dq
+  Tensor mdQ = args.tma_dq.get_tma_tensor(Traits::shape_q(params));
+  const bool dq_leader = tidx % 128 == 0;
+
   // dK and dV of this consumer's 64 keys, summed over every step.
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
@@ -328,7 +351,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // (key, query row) of each S^T accumulator element, as (rows, cols).
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
   Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
-  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   constexpr int kRows = decltype(size<0>(cS_rc))::value;  // keys this thread holds (2)
   constexpr int kCols = decltype(size<1>(cS_rc))::value;  // query rows it holds
 
@@ -337,7 +359,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int diag_lo = static_cast<int>(params.mask.diag_lo);
   const int diag_hi = static_cast<int>(params.mask.diag_hi);
   const bool warp_leader = tidx % 32 == 0;
-  constexpr uint32_t kDsBarrier = 1;  // both consumers' dS^T rows are in shared memory
+  // Named barriers (CUTLASS numbering, past its reserved ones): both
+  // consumers' dS^T rows are in shared memory; per consumer, its dQ buffer.
+  constexpr uint32_t kDsBarrier = 1;
+  constexpr uint32_t kDqBarrier = 2;  // + consumer
+  static_assert(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount + kDqBarrier +
+                    Traits::kConsumerWarpgroups <=
+                cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
 
   if (steps.num_steps > 0) FullBarrier::wait(&smem.kv_full, 0);
   for (int step = 0; step < steps.num_steps; ++step) {
@@ -440,18 +468,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // dS buffer, which is written again two steps later, past its next barrier.
     if (warp_leader) EmptyBarrier::arrive(&smem.qdo_empty[stage]);
 
-    // dQ_accum += dS K   (float32 atomics; scaled in the convert kernel).
-    // Fragment elements 2i, 2i+1 are adjacent columns: one 8-byte atomic.
-    float* dq_accum = params.dq_accum + row_offset * kHeadDim;
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dq); i += 2) {
-      const int row = row0 + get<0>(cdQ(i));
-      if (row < params.seqlen_q) {
-        float* dst = dq_accum + int64_t{row} * kHeadDim + get<1>(cdQ(i));
-        atomicAdd(reinterpret_cast<float2*>(dst), make_float2(acc_dq(i), acc_dq(i + 1)));
-      }
+    // dQ_accum += dS K (scaled in the convert kernel): registers -> this
+    // consumer's buffer -> one TMA reduce-add, which clips rows past seqlen_q.
+    // The buffer is free again once the previous step's reduce has read it.
+    if (dq_leader) tma_store_wait<0>();
+    cutlass::arch::NamedBarrier::sync(128, kDqBarrier + consumer);
+    copy(acc_dq, tdQsdQ);
+    tma_store_fence();  // the buffer's generic-proxy writes, visible to TMA
+    cutlass::arch::NamedBarrier::sync(128, kDqBarrier + consumer);
+    if (dq_leader) {
+      Tensor gdQ = local_tile(mdQ(_, _, head, batch),
+                              Shape<Int<kBlockM>, Int<Traits::kDqCols>>{},
+                              make_coord(m_block, consumer));
+      auto [tdQgdQ_tma, tdQsdQ_tma] =
+          tma_partition(args.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQ(_, _, consumer)),
+                        group_modes<0, 2>(gdQ));
+      copy(args.tma_dq, tdQsdQ_tma, tdQgdQ_tma);
+      tma_store_arrive();
     }
   }
+  // Shared memory must outlive the last reduce's reads.
+  if (dq_leader) tma_store_wait<0>();
 
   // dK = softmax_scale * sum dS^T Q; both written once, keys past the end skipped.
   CUTE_UNROLL
@@ -514,6 +551,14 @@ cudaError_t run_flash_bwd_sm90(const BwdParams& params, const LaunchContext& ctx
           params.k_batch_stride, k_layout, k_tile),
       tma(params.v, Traits::shape_k(params), params.v_row_stride, params.v_head_stride,
           params.v_batch_stride, k_layout, k_tile),
+      // dq_accum is [batch, heads, seqlen_q, head_dim], dense.
+      make_tma_atom(SM90_TMA_REDUCE_ADD{},
+                    make_tensor(make_gmem_ptr(params.dq_accum), Traits::shape_q(params),
+                                make_stride(int64_t{kHeadDim}, _1{},
+                                            int64_t{params.seqlen_q} * kHeadDim,
+                                            int64_t{params.num_heads} * params.seqlen_q * kHeadDim)),
+                    take<0, 2>(typename Traits::SmemLayoutdQ{}),
+                    Shape<Int<Traits::kBlockM>, Int<Traits::kDqCols>>{}),
   };
   auto kernel = &flash_bwd_sm90_kernel<Traits, kBanded>;
   constexpr int kSmemBytes = Traits::kSmemBytes;
