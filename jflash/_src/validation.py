@@ -104,8 +104,8 @@ def check_scale_value(name, value):
         scale = math.inf
     if not finite_as_float32(scale):
         raise ValueError(
-            f"{name} must be finite as float32 (|{name}| <= {float(np.finfo(np.float32).max):.4g}), "
-            f"got {_short_repr(value)}"
+            f"{name} must be finite as float32 (|{name}| <= "
+            f"{float(np.finfo(np.float32).max):.4g}), got {_short_repr(value)}"
         )
     return float(np.float32(scale))
 
