@@ -104,7 +104,8 @@ foreach(_target IN LISTS _cuda_targets)
 endforeach()
 
 # Explicit -gencode flags (not CUDA_ARCHITECTURES) so that 90a is spelled the
-# way nvcc 13.0 accepts for sm_90a-only instructions (device/HOPPER.md).
+# way nvcc 13.0 accepts for sm_90a-only instructions (the arch-specific
+# "a" targets need -gencode arch=compute_90a,code=sm_90a).
 set(_gencode "")
 foreach(_arch IN LISTS JFLASH_CUDA_ARCHS)
   list(APPEND _gencode "-gencode=arch=compute_${_arch},code=sm_${_arch}")

@@ -9,6 +9,7 @@ lowers for either platform.
 from __future__ import annotations
 
 import ctypes
+import os
 import pathlib
 
 import jax
@@ -66,6 +67,24 @@ def _register(lib: ctypes.CDLL, platform: str, suffix: str) -> None:
         )
 
 
+CPU_THREADS_VARIABLE = "JFLASH_CPU_THREADS"
+_MAX_CPU_THREADS = 1024  # kMaxThreads of csrc/cpu/thread_pool.cc
+
+
+def _check_cpu_threads() -> None:
+    """The CPU kernels' pool size (csrc/cpu/thread_pool.cc reads it on first use):
+    unset, or an integer from 1 to 1024."""
+    text = os.environ.get(CPU_THREADS_VARIABLE)
+    if text is None:
+        return
+    if not (text.isascii() and text.isdigit() and 1 <= int(text) <= _MAX_CPU_THREADS):
+        raise ValueError(
+            f"{CPU_THREADS_VARIABLE} must be an integer from 1 to {_MAX_CPU_THREADS} "
+            f"(threads of jflash's CPU kernels), got {text!r}"
+        )
+
+
+_check_cpu_threads()
 _cpu_lib = _load(_CPU_LIBRARY)
 if _cpu_lib is None:
     raise ImportError(

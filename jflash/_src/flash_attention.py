@@ -43,15 +43,46 @@ def clamp_band(seqlen_q: int, seqlen_k: int, diag_lo: int, diag_hi: int):
     return lo, hi
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q, k, v, softmax_scale, diag_lo, diag_hi):
+SECOND_ORDER_UNSUPPORTED = (
+    "jflash: second-order differentiation of flash attention (jax.grad of jax.grad, "
+    "jax.hessian, or any derivative of its backward pass) is not supported; the "
+    "backward kernel has no derivative rule. Use jax.nn.dot_product_attention "
+    "(implementation='xla') where second derivatives are needed."
+)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
+def _forward(q, k, v, softmax_scale, diag_lo, diag_hi):
     return kernel_calls.fwd(q, k, v, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi)
 
 
-def _attention_fwd(q, k, v, softmax_scale, diag_lo, diag_hi):
-    out, lse = kernel_calls.fwd(
-        q, k, v, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi
+@functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8, 9))
+def _backward(q, k, v, out, dout, lse, dlse, softmax_scale, diag_lo, diag_hi):
+    return kernel_calls.bwd(
+        q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi
     )
+
+
+def _no_second_order(softmax_scale, diag_lo, diag_hi, primals, tangents):
+    # The custom_vjp below (_attention) gives first derivatives. A second derivative
+    # differentiates the kernel calls themselves (the forward's under the outer
+    # transform, or the backward's), which would otherwise fail deep inside jax
+    # ("Differentiation rule for 'custom_partitioning' not implemented").
+    del softmax_scale, diag_lo, diag_hi, primals, tangents
+    raise NotImplementedError(SECOND_ORDER_UNSUPPORTED)
+
+
+_forward.defjvp(_no_second_order)
+_backward.defjvp(_no_second_order)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _attention(q, k, v, softmax_scale, diag_lo, diag_hi):
+    return _forward(q, k, v, softmax_scale, diag_lo, diag_hi)
+
+
+def _attention_fwd(q, k, v, softmax_scale, diag_lo, diag_hi):
+    out, lse = _forward(q, k, v, softmax_scale, diag_lo, diag_hi)
     out = checkpoint_name(out, OUT_NAME)
     lse = checkpoint_name(lse, LSE_NAME)
     return (out, lse), (q, k, v, out, lse)
@@ -60,7 +91,7 @@ def _attention_fwd(q, k, v, softmax_scale, diag_lo, diag_hi):
 def _attention_bwd(softmax_scale, diag_lo, diag_hi, residuals, cotangents):
     q, k, v, out, lse = residuals
     dout, dlse = cotangents
-    return kernel_calls.bwd(
+    return _backward(
         q,
         k,
         v,
@@ -68,9 +99,9 @@ def _attention_bwd(softmax_scale, diag_lo, diag_hi, residuals, cotangents):
         dout.astype(out.dtype),
         lse,
         dlse.astype(jnp.float32),
-        softmax_scale=softmax_scale,
-        diag_lo=diag_lo,
-        diag_hi=diag_hi,
+        softmax_scale,
+        diag_lo,
+        diag_hi,
     )
 
 

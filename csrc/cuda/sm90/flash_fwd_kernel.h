@@ -152,7 +152,7 @@ struct FwdTraits {
   // warpgroup (stmatrix from registers), and stores each slab with one TMA
   // copy, where the slabs fit beside Q and the ring (head dims 64 and 128;
   // head dim 256 stores from registers). Measured against 4-byte stores from
-  // registers (H200, csrc/cuda/NOTES.md s9): head dim 128 +20% at seq 512,
+  // registers (H200, docs/cuda_kernels.md, Hopper forward: loads and epilogue): head dim 128 +20% at seq 512,
   // +2-5% at 4k-16k; head dim 64 +5-11% up to seq 2048.
   using SmemLayoutO = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                              Shape<_64, Int<kHeadDim>, Int<kConsumerWarpgroups>>{}));
@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // when the Q buffer and ring slots free up, right before the consumers need
     // them, and Q (read once per unit) and a new head's K/V come from HBM.
     // Only units of more than kPrefetchMinTiles tiles issue it (H200, bf16,
-    // csrc/cuda/NOTES.md s8): head dim 256 at seq 16k gained 5%, while at seq
+    // docs/cuda_kernels.md, Hopper forward: loads and epilogue): head dim 256 at seq 16k gained 5%, while at seq
     // 512-1024 the producer's extra work per short unit cost up to 6-8%.
     constexpr int kPrefetchTiles = 4;
     constexpr int kPrefetchMinTiles = 16;
@@ -495,7 +495,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // element, with two instructions per score where the band's lower edge is
   // outside the tile. Measured against scaling and masking every score of a
   // cut tile (five instructions each; H200, head dim 64 causal): +13% at seq
-  // 512, +9% at 1024, +8% at 2048 (csrc/cuda/NOTES.md, s9).
+  // 512, +9% at 1024, +8% at 2048 (docs/cuda_kernels.md, Hopper forward: softmax).
   const bool zero_scale = params.softmax_scale_log2 == 0.f;
   const float hidden_score = params.softmax_scale_log2 >= 0.f ? -INFINITY : INFINITY;
   // Hides the scores of key tile n_block that the band or the sequence end
@@ -599,7 +599,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
   // Exponentiates the (masked) score tile against the running max as it
   // stands, without the tile's max: the row max reductions (a third of the
-  // softmax's time per step, csrc/cuda/NOTES.md s11) are skipped. This is what
+  // softmax's time per step, docs/cuda_kernels.md, Hopper forward: softmax) are skipped. This is what
   // fold_max computes whenever the tile does not raise any row's max by more
   // than kRescaleSlack (fold_max then keeps the max, too), i.e. when every
   // exponential is at most kRescaleBound. Leaves this thread's partial sum of
@@ -648,7 +648,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // product and the intra-warpgroup overlap was lost. ptxas does not move the
   // wait above a branch, so a warp-uniform branch on the row sums (the last
   // values the softmax computes), never taken (the sums are >= 0 or NaN), pins
-  // it there. Measured (H200, csrc/cuda/NOTES.md s11): head dim 256 +4-10% at
+  // it there. Measured (H200, docs/cuda_kernels.md, Hopper forward: softmax): head dim 256 +4-10% at
   // seq 4k-16k, head dim 128 +0-6% at 16k, within noise at 4k.
   auto pin_below = [&](const float (&sums)[kRows]) {
     bool negative = false;
@@ -681,7 +681,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Where a warp's verdict on its stale-max softmax is settled: at the next
   // turn (unmasked ping-pong kernels), or by a vote of the warpgroup right
   // after the exponentials. Measured in cycles per launch (ncu, H200, head
-  // dim 128; csrc/cuda/NOTES.md s12): unmasked, the turn took 0.7% (4k) and
+  // dim 128; docs/cuda_kernels.md, Hopper forward: softmax): unmasked, the turn took 0.7% (4k) and
   // 1.5% (16k) fewer than the vote; causal 4k, 3% more.
   constexpr bool kSettleAtTurn = Traits::kStaleMax && Traits::kPingPong && !kBanded;
   // kStaleMax with ping-pong: each warp's verdict on its softmax of a key tile
@@ -849,7 +849,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             // No turns to piggyback on: a vote of the warpgroup's threads.
             const bool redo_any = warpgroup_any(
                 over, cutlass::arch::NamedBarrier::ReservedNamedBarrierCount + kVoteBarrier + consumer);
-            // Both paths leave no product in flight (C7515, csrc/cuda/NOTES.md s8).
+            // Both paths leave no product in flight (C7515, docs/cuda_kernels.md, Compiler pitfalls).
             warpgroup_wait<0>();
             if (redo_any) {
               recompute_s(slot.stage);

@@ -4,7 +4,7 @@ Odd lengths that leave partial tiles at both sequence ends, GQA, one unmasked
 and one banded call (with fully masked rows), per head dim and dtype given:
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool memcheck \
-      python3 -P csrc/cuda/tools/sanitizer_driver.py [--head-dims 128 192 256] \
+      python3 -P tools/sanitizer_driver.py [--head-dims 128 192 256] \
       [--dtypes bfloat16 float16]
 
 A second shape has more work units than the GPU has SMs (each persistent CTA

@@ -1,14 +1,14 @@
-"""Medians of an A/B timing log (tools/ab_bench.sh or a device call that runs
+"""Medians of an A/B timing log (tools/ab_bench.sh or a run that calls
 quick_bench.py per tree in rounds), one row per configuration.
 
-  python3 csrc/cuda/tools/ab_summary.py ab_bench.log [--base base]
+  python3 tools/ab_summary.py ab_bench.log [--base base]
 
 Input: header lines "== <tree> (round N)" (or "== <tree> round N") followed by
 quick_bench.py rows "<mode> <causal> <head_dim> <seq> <ms> <TFLOP/s> [<ms>
 <TFLOP/s> of cuDNN]" or benchmarks/gpu_benchmark.py progress lines
 "[  1.2s] D64 S512 B32 H32 causal fwd    jflash   165.5 TFLOP/s ...". Output: each tree's median TFLOP/s, its ratio to the base
 tree, and the spread (max / min - 1) of the base's rounds. On the H200 the
-spread reached 5-10% at seq 512-1024 and ~2% at 16k (csrc/cuda/NOTES.md, s8):
+spread reached 5-10% at seq 512-1024 and ~2% at 16k (docs/cuda_kernels.md, Measuring):
 a ratio inside the base's spread is not a result.
 """
 

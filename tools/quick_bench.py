@@ -6,7 +6,7 @@ forward+backward = 3.5x that count. Each timed call is one jitted lax.fori_loop
 of `iterations` steps that feeds its output back as the next query, so the work
 stays on the device; median of `repeats` calls.
 
-  python3 -P csrc/cuda/tools/quick_bench.py --head-dims 64 128 256 --seqs 4096 16384
+  python3 -P tools/quick_bench.py --head-dims 64 128 256 --seqs 4096 16384
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 reference, with the kernel family each one ran. Run under `timeout`, before the
 test suite, so that a hang costs seconds, not the suite's time limit.
 
-  timeout 120 python3 -P csrc/cuda/tools/smoke.py
+  timeout 120 python3 -P tools/smoke.py
 """
 
 from __future__ import annotations

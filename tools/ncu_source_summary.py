@@ -1,19 +1,19 @@
 """Where the warps of one profiled launch spend their time, per SASS opcode.
 
 Reads the CSV of `ncu --import REP --page source --csv --print-source sass`
-(a report taken with `--section SourceCounters`; csrc/cuda/tools/device_run.sh
+(a report taken with `--section SourceCounters`; tools/device_run.sh
 step `ncu_source`) and prints, for the code before the producer's
 `USETMAXREG.DEALLOC` (the consumer warps of the Hopper forward), the warp-state
 samples of each opcode converted to cycles per warp and step, and the
 instructions with the most samples with their top stall reasons.
 
-  python3 csrc/cuda/tools/ncu_source_summary.py ncu_source.csv \
+  python3 tools/ncu_source_summary.py ncu_source.csv \
       --cycles-per-step 2773 --executions-per-step 507904 [--top 30]
 
 --cycles-per-step: elapsed cycles / key-tile steps per CTA (details page);
 --executions-per-step: `Instructions Executed` of an instruction that runs
 once per warp and step (e.g. the first HGMMA of the main loop). Without them
-the table shows sample shares only. csrc/cuda/NOTES.md s11 has an example.
+the table shows sample shares only. docs/cuda_kernels.md (Hopper forward: softmax) has an example.
 """
 
 import argparse

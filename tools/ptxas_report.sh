@@ -3,13 +3,13 @@
 # report and prints, per file, registers, spills and any wgmma warning. Exits 1
 # when ptxas serializes wgmma (C7511 / C7514 / C7515: every wgmma of the kernel
 # then waits for the one before, a silent 2x slowdown that no test catches) or
-# injects a wgmma wait (C7517). Read csrc/cuda/NOTES.md (s8) for what causes them.
-#   bash csrc/cuda/tools/ptxas_report.sh [arch] [name fragment ...]
-#   bash csrc/cuda/tools/ptxas_report.sh 90a fwd_sm90_bf16       # the default
+# injects a wgmma wait (C7517). docs/cuda_kernels.md (Compiler pitfalls) says what causes them.
+#   bash tools/ptxas_report.sh [arch] [name fragment ...]
+#   bash tools/ptxas_report.sh 90a fwd_sm90_bf16       # the default
 # Runs from any directory; uses the cutlass and jaxlib of `python3`
-# (PYENV_VERSION=3.12.1 here). JOBS=n compiles n files at a time (default 2).
+# (pick the interpreter with PATH or pyenv). JOBS=n compiles n files at a time (default 2).
 set -u
-root=$(cd "$(dirname "$0")/../../.." && pwd)
+root=$(cd "$(dirname "$0")/.." && pwd)
 arch=${1:-90a}; shift || true
 fragments=("${@:-fwd_sm90_bf16}")
 cutlass=$(python3 -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))") || exit 2
