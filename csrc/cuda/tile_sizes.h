@@ -184,7 +184,7 @@ struct Sm90FwdTile {
 //
 // smem = (block_m + (k_stages + v_stages) * block_n) * head_dim * 2 bytes
 // (<= 227 KB),
-// plus the output slabs where they fit (sm90/flash_fwd_kernel.h).
+// plus the output slabs where they fit (sm90/traits_fwd_sm90.h).
 // registers per consumer thread: block_n / 2 score floats + head_dim / 2
 // output floats + block_n / 4 words of P (+ head_dim / 4 words of Q with
 // q_in_registers), under the setmaxnreg budget (240 with two consumer
