@@ -1,6 +1,6 @@
 """What every jflash benchmark shares: the FLOP formula, the device-side timer, records.
 
-One FLOP convention for all numbers (STYLE.md rule 7, the FlashAttention papers'):
+One FLOP convention for all numbers (the FlashAttention papers'):
   forward          = 4 * batch * heads * seq_q * seq_k * head_dim   (two matmuls, 2 FLOP per MAC)
   causal           = half of that (the masked triangle is not counted)
   backward         = 2.5 x forward (five matmuls instead of two)
@@ -11,7 +11,7 @@ Timing keeps the work on the device: one jitted lax.fori_loop runs `iterations`
 attention calls back to back, each depending on the one before (see make_loop), so
 the host launches one program and waits once; per-call time = wall time /
 iterations, median over repeats after a warm-up call. This is how the peer
-numbers in shared/PEERS.md were taken.
+numbers the README compares with were taken.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def tflops(flops, seconds):
 #     (an in-place dynamic-update-slice on the loop carry, ~no memory traffic).
 #     Every call must wait for the one before, no output can be dead-code
 #     eliminated (out, dq, dk, dv are all read), and the data never drifts
-#     towards constants or zeros (METHOD.md: never time zeros).
-#   "out": the PEERS.md method taken literally. fwd: q <- out (no extra op; out
+#     towards constants or zeros (timing zeros flatters every kernel).
+#   "out": the peer numbers' method taken literally. fwd: q <- out (no extra op; out
 #     is a convex mix of v rows so it stays bounded, but rows grow alike over
 #     iterations). fwdbwd: q <- dq / rms(dq), which costs one extra fused
 #     pass over q per iteration (reported as feed_ms), and dk, dv are linked
@@ -206,8 +206,8 @@ def memory_stats(compiled):
 def jflash_commit():
     """$JFLASH_COMMIT if set, else git HEAD of this checkout (+'-dirty'), else 'unknown'.
 
-    The device machine receives a copy of the tree whose .git may be missing or
-    stale (it once reported an older HEAD than the tree it ran): pass
+    A copy of the tree on another machine may lack .git or carry a stale one
+    (it once reported an older HEAD than the tree it ran): pass
     JFLASH_COMMIT=<sha> on the command line there.
     """
     if os.environ.get("JFLASH_COMMIT"):

@@ -1,7 +1,7 @@
 """jflash's CPU kernel against XLA's materialized attention on CPU: time and memory.
 
-  PYENV_VERSION=3.12.1 python3 -P benchmarks/cpu_benchmark.py            # seq 1024 2048 4096
-  PYENV_VERSION=3.12.1 python3 -P benchmarks/cpu_benchmark.py --seqs 4096 --causal
+  python3 -P benchmarks/cpu_benchmark.py            # seq 1024 2048 4096
+  python3 -P benchmarks/cpu_benchmark.py --seqs 4096 --causal
 
 Peer: jax.nn.dot_product_attention(implementation="xla"), which builds the
 [batch, heads, seq, seq] scores. Memory is measured two ways:

@@ -6,7 +6,7 @@ forward and forward+backward; bfloat16. Every row times jflash,
 jax.nn.dot_product_attention(implementation="cudnn") and implementation="xla"
 (the last only where its [batch, heads, seq, seq] float32 scores fit, --xla-max-gb).
 
-  PYENV_VERSION=3.12.1 python3 -P benchmarks/gpu_benchmark.py --quick
+  python3 -P benchmarks/gpu_benchmark.py --quick
   python3 -P benchmarks/gpu_benchmark.py --head-dims 128 --seqs 4096 16384 --causal no \
       --modes fwd --out $OUT/gpu.json --time-budget-s 480
 

@@ -1,6 +1,6 @@
-"""Merges gpu_benchmark.py results files from several device calls into one.
+"""Merges gpu_benchmark.py results files from several runs into one.
 
-A device call is limited to 10 minutes, so the grid is run in parts; plot.py and
+Where GPU time comes in limited slices, the grid is run in parts; plot.py and
 the README table read one file. Each part's environment and arguments are kept
 under "parts" (device, jax version, commit per part); records are concatenated.
 

@@ -1,6 +1,6 @@
 """TFLOP/s against sequence length from a gpu_benchmark.py results JSON, as a PNG beside it.
 
-  PYENV_VERSION=3.12.1 python3 -P benchmarks/plot.py benchmarks/results/gpu_<device>_<date>.json
+  python3 -P benchmarks/plot.py benchmarks/results/gpu_<device>_<date>.json
 
 One panel per (head_dim, causal); in each, one colour per impl (jflash, cuDNN,
 XLA), solid for forward, dashed for forward+backward. Rows that did not run

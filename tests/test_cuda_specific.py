@@ -7,9 +7,10 @@ bands whose edges cut tiles, GQA groups summed inside the backward kernel,
 fully masked rows next to visible ones in one tile, and the error a build
 without an instantiation must give.
 
-On a Hopper GPU the forward runs the TMA/wgmma kernel (csrc/cuda/sm90/) for the
-head dims it covers; the sm80 forward is checked there too, in a subprocess
-with JFLASH_CUDA_FORWARD=sm80 (the choice is read once per process). The
+On a Hopper GPU the forward and the backward run the TMA/wgmma kernels
+(csrc/cuda/sm90/) for the head dims they cover; the sm80 kernels are checked
+there too, in subprocesses with JFLASH_CUDA_FORWARD=sm80 and
+JFLASH_CUDA_BACKWARD=sm80 (the choice is read once per process). The
 small-shared-memory tiles of sm86/sm89 run in a subprocess with
 JFLASH_CUDA_SMEM_LIMIT=101376 (99 KB).
 """
@@ -29,7 +30,7 @@ import pytest
 import jflash
 from checks import assert_within_rule
 from jflash._src.flash_attention import attention_band
-from jflash._src.ffi import cuda_forward_family, cuda_kernel_smem_bytes
+from jflash._src.ffi import cuda_backward_family, cuda_forward_family, cuda_kernel_smem_bytes
 from jflash.reference import attention_band as reference_band
 
 pytestmark = pytest.mark.skipif(
@@ -79,6 +80,12 @@ CASES = [
     # two ping-pong consumers (sm90_fwd_tile_short_band); longer ones above.
     (4, 1000, 1000, 16, 4, 64, -1000, 0),  # causal, many units
     (2, 700, 1024, 8, 8, 64, -300, 1024 - 700 + 20),  # window; a last block of 60 rows
+    # Hopper backward tiles (128 keys per CTA, 64 query rows per step, a
+    # 2-deep Q/dO ring): many steps per CTA over a GQA group of 4, the band's
+    # first and last query blocks cut, a last key block of one key.
+    (2, 1000, 1025, 8, 2, 128, -1000, 1025 - 1000),
+    (1, 513, 385, 8, 2, 64, None, None),
+    (1, 700, 700, 4, 1, 128, -150, 40),  # window: each key block visits a few query blocks
 ]
 
 
@@ -305,16 +312,56 @@ def _is_hopper():
 
 
 @pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
-def test_hopper_forward_is_selected():
-    """On Hopper the forward runs the sm90 kernel wherever it was built."""
-    # The ci subset builds it for bfloat16 head dim 128; "all" for 64/128/256.
+def test_hopper_kernels_are_selected():
+    """On Hopper the forward and backward run the sm90 kernels wherever they were built."""
+    # The ci subset builds them for bfloat16 head dim 128; "all" for the forward's
+    # head dims 64/128/256 and the backward's 64/128.
     for banded in (False, True):
         assert cuda_forward_family(jnp.bfloat16, 128, banded) == 90
+        assert cuda_backward_family(jnp.bfloat16, 128, banded) == 90
     for dtype in DTYPES:
         for d in (64, 128, 256):
             assert cuda_forward_family(dtype, d, False) in (90, 0)
-        for d in (32, 96, 160):  # head dims the Hopper kernel leaves to sm80
+        for d in (64, 128):
+            assert cuda_backward_family(dtype, d, False) in (90, 0)
+        for d in (32, 96, 160):  # head dims the Hopper kernels leave to sm80
             assert cuda_forward_family(dtype, d, False) in (80, 0)
+        for d in (32, 96, 256):
+            assert cuda_backward_family(dtype, d, False) in (80, 0)
+
+
+# The sm80 backward on Hopper (JFLASH_CUDA_BACKWARD=sm80, in a subprocess: the
+# choice is read once per process), on shapes that the Hopper backward covers.
+SM80_BACKWARD_CASES = [
+    (1, 129, 1000, 4, 2, 128, None, None),
+    (1, 300, 300, 2, 1, 128, -70, -5),
+    (2, 511, 1537, 4, 1, 64, -511, 1537 - 511),
+]
+
+
+@pytest.mark.skipif(
+    os.environ.get("JFLASH_CUDA_BACKWARD") != "sm80",
+    reason="run by test_sm80_backward_on_hopper, in a subprocess with JFLASH_CUDA_BACKWARD=sm80",
+)
+@pytest.mark.parametrize("case", SM80_BACKWARD_CASES, ids=_case_id)
+def test_sm80_backward_against_reference(rng, case):
+    assert cuda_backward_family(jnp.bfloat16, case[5], case[6] is not None) in (80, 0)
+    _check_against_reference(rng, case, jnp.bfloat16)
+
+
+@pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
+def test_sm80_backward_on_hopper():
+    """JFLASH_CUDA_BACKWARD=sm80 runs (and checks) the sm80 backward on Hopper."""
+    if os.environ.get("JFLASH_CUDA_BACKWARD"):
+        pytest.skip("already under a JFLASH_CUDA_BACKWARD")
+    env = dict(os.environ, JFLASH_CUDA_BACKWARD="sm80")
+    result = subprocess.run(
+        [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+         str(pathlib.Path(__file__).resolve()), "-k", "test_sm80_backward_against_reference"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout, result.stdout[-2000:]
 
 
 _SM80_ON_HOPPER = r"""
@@ -322,7 +369,7 @@ import sys
 sys.path.insert(0, {tests_dir!r})
 import jax, jax.numpy as jnp, numpy as np
 from checks import assert_within_rule
-from jflash._src.ffi import cuda_forward_family, cuda_kernel_smem_bytes
+from jflash._src.ffi import cuda_backward_family, cuda_forward_family, cuda_kernel_smem_bytes
 from jflash._src.flash_attention import attention_band
 from jflash.reference import attention_band as reference_band
 

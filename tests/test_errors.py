@@ -79,6 +79,12 @@ def test_not_an_array():
         (dict(return_lse=1), TypeError, "return_lse must be a bool"),
         (dict(softmax_scale="0.1"), TypeError, "softmax_scale must be"),
         (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
+        # Finite as a Python float, not as the float32 the kernels receive.
+        (dict(softmax_scale=1e39), ValueError, "softmax_scale must be finite as float32"),
+        (dict(softmax_scale=-1e39), ValueError, "softmax_scale must be finite as float32"),
+        (dict(softmax_scale=np.float64(4e38)), ValueError, "finite as float32"),
+        # Beyond float64 too: float() would raise OverflowError.
+        (dict(softmax_scale=10**400), ValueError, r"softmax_scale must be finite.*characters"),
         (dict(softmax_scale=jnp.float32(0.1) * jnp.ones(())), TypeError, "softmax_scale must be"),
     ],
 )
@@ -93,3 +99,72 @@ def test_valid_input_traces():
     assert out.shape == (2, 16, 4, 64) and out.dtype == jnp.bfloat16
     out, lse = _trace(*_qkv(), return_lse=True, softmax_scale=np.float32(0.2))
     assert lse.shape == (2, 4, 16) and lse.dtype == jnp.float32
+
+
+def test_largest_float32_scale_traces():
+    _trace(*_qkv(), softmax_scale=float(np.finfo(np.float32).max))
+    _trace(*_qkv(), softmax_scale=10**30)  # a Python int that float32 holds
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # jax's own
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), 1e39, -1e39])
+def test_dot_product_attention_non_finite_scale_falls_back(rng, scale):
+    """jax.nn's answer (NaN where its logits overflow), as for any call jflash cannot
+    run; implementation="jflash" says why it cannot."""
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 8, 2, 16)), jnp.float32) for _ in range(3))
+    got = jflash.dot_product_attention(q, k, v, scale=scale)
+    want = jax.nn.dot_product_attention(q, k, v, scale=scale)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="scale must be finite as float32"):
+        jflash.dot_product_attention(q, k, v, scale=scale, implementation="jflash")
+
+
+def _loss(q):
+    return jnp.sum(jflash.flash_attention(q, q, q, causal=True) ** 2)
+
+
+@pytest.mark.parametrize(
+    "second_order",
+    [
+        lambda q: jax.grad(lambda q: jnp.sum(jax.grad(_loss)(q) ** 2))(q),
+        jax.hessian(_loss),
+        lambda q: jax.jvp(jax.grad(_loss), (q,), (q,)),
+    ],
+    ids=["grad-of-grad", "hessian", "jvp-of-grad"],
+)
+def test_second_order_differentiation_names_jflash(rng, second_order):
+    q = jnp.asarray(rng.standard_normal((1, 8, 2, 16)), jnp.float32)
+    assert np.all(np.isfinite(jax.grad(_loss)(q)))  # first order works
+    with pytest.raises(NotImplementedError, match="jflash: second-order differentiation"):
+        jax.eval_shape(second_order, q)
+
+
+@pytest.mark.parametrize(
+    "spec,dim",
+    [("2, t, 4, 64", "seq_len 't'"), ("2, 16, 4, d", "head_dim 'd'")],
+)
+def test_export_with_symbolic_dims_names_the_dimension(spec, dim):
+    from jax import export
+
+    dims = export.symbolic_shape(f"{spec}, {spec.replace(', 4,', ', 2,')}")  # one scope
+    q_shape, kv_shape = dims[:4], dims[4:]
+    q, kv = (jax.ShapeDtypeStruct(s, jnp.float32) for s in (q_shape, kv_shape))
+    with pytest.raises(ValueError, match=f"query has symbolic {dim}.*only batch"):
+        export.export(jax.jit(jflash.flash_attention), platforms=("cpu",))(q, kv, kv)
+
+
+def test_dot_product_attention_symbolic_seq_len_falls_back(rng):
+    """jax.nn takes symbolic shapes, so its drop-in does too, through jax's function."""
+    from jax import export
+
+    q = jax.ShapeDtypeStruct(export.symbolic_shape("2, t, 4, 16"), jnp.float32)
+    exported = export.export(jax.jit(jflash.dot_product_attention), platforms=("cpu",))(q, q, q)
+    x = jnp.asarray(rng.standard_normal((2, 8, 4, 16)), jnp.float32)
+    np.testing.assert_allclose(
+        exported.call(x, x, x), jax.nn.dot_product_attention(x, x, x), rtol=1e-6, atol=1e-6
+    )
+    with pytest.raises(ValueError, match="query has symbolic seq_len 't'"):
+        export.export(
+            jax.jit(lambda q, k, v: jflash.dot_product_attention(q, k, v, implementation="jflash")),
+            platforms=("cpu",),
+        )(q, q, q)

@@ -9,6 +9,7 @@ are tight.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -201,3 +202,69 @@ def test_import_jflash_does_not_import_flax():
 
     code = "import sys, jflash; assert 'flax' not in sys.modules, 'flax imported'"
     subprocess.run([sys.executable, "-P", "-c", code], check=True)
+
+
+def test_linen_sown_weights_with_bound_is_causal(rng):
+    """sow_weights=True in a linen layer with is_causal bound: the weights are sown
+    where linen keeps them ("intermediates"), as with Flax's own causal layer."""
+    x, _ = _inputs(rng)
+    attention_fn = functools.partial(jflash.flax.attention_fn, is_causal=True)
+    ours = nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=attention_fn)
+    theirs = nn.MultiHeadDotProductAttention(num_heads=4)
+    params = theirs.init(jax.random.key(int(rng.integers(1 << 30))), x)["params"]
+    got, got_state = ours.apply(
+        {"params": params}, x, sow_weights=True, mutable=["intermediates"]
+    )
+    want, want_state = theirs.apply(
+        {"params": params},
+        x,
+        mask=nn.make_causal_mask(x[..., 0]),
+        sow_weights=True,
+        mutable=["intermediates"],
+    )
+    (weights,) = got_state["intermediates"]["attention_weights"]
+    (want_weights,) = want_state["intermediates"]["attention_weights"]
+    assert weights.shape == (2, 4, 24, 24)
+    np.testing.assert_allclose(weights, want_weights, **TOL)
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+def _complex(rng, shape):
+    return jnp.asarray(rng.standard_normal(shape) + 1j * rng.standard_normal(shape), jnp.complex64)
+
+
+@pytest.mark.parametrize("is_causal", [None, True], ids=["linen", "nnx"])
+def test_attention_fn_complex_inputs_give_flax_answer(rng, is_causal):
+    """Complex q, k, v go to Flax's function. linen's keeps the logits' imaginary
+    part, which jax.nn's drops; nnx's calls jax.nn's itself (and jax warns)."""
+    q = _complex(rng, (2, 5, 2, 8))
+    k, v = _complex(rng, (2, 7, 2, 8)), _complex(rng, (2, 7, 2, 8))
+    with warnings.catch_warnings():  # jax: casting complex to real
+        warnings.simplefilter("ignore", DeprecationWarning)
+        got = jflash.flax.attention_fn(q, k, v, is_causal=is_causal)
+        if is_causal is None:
+            want = nn.dot_product_attention(q, k, v)
+        else:
+            want = nnx.dot_product_attention(q, k, v, is_causal=True)
+        lossy = jax.nn.dot_product_attention(q, k, v, is_causal=bool(is_causal))
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    if is_causal is None:  # the case matters
+        assert np.abs(np.asarray(want) - np.asarray(lossy)).max() > 0.1
+
+
+@pytest.mark.parametrize(
+    "kv_shape,message",
+    [
+        ((3, 2, 5, 2, 32), r"batch dims must match.*\(2, 3, 5, 2, 32\).*\(3, 2, 5, 2, 32\)"),
+        ((6, 5, 2, 32), "must have the same rank, got 5, 4, 4"),
+    ],
+)
+@pytest.mark.parametrize("is_causal", [None, True], ids=["linen", "nnx"])
+def test_attention_fn_batch_dims_must_match(rng, kv_shape, message, is_causal):
+    q = jnp.asarray(rng.standard_normal((2, 3, 5, 2, 32)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal(kv_shape), jnp.float32)
+    with pytest.raises(ValueError, match=message):
+        jflash.flax.attention_fn(q, kv, kv, is_causal=is_causal)
+    with pytest.raises(ValueError, match="batch dims must match|same rank"):
+        nnx.dot_product_attention(q, kv, kv)  # Flax's own answer

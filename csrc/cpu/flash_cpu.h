@@ -12,8 +12,8 @@ namespace jflash::cpu {
 void flash_fwd(const FwdParams& params);
 
 // dq, dk, dv <- backward of flash_fwd, recomputing P from lse. Uses params.delta
-// and params.dq_accum as float32 scratch. GQA gradients are summed into the kv
-// head inside the kernel.
+// as float32 scratch; params.dq_accum (the CUDA kernels' scratch) is not used and
+// is null. GQA gradients are summed into the kv head inside the kernel.
 void flash_bwd(const BwdParams& params);
 
 }  // namespace jflash::cpu

@@ -1,21 +1,47 @@
 #include "cpu/thread_pool.h"
 
+#include <pthread.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 #include <thread>
 #include <vector>
 
-#include <unistd.h>
-
 namespace jflash::cpu {
 namespace {
+
+constexpr long kMaxThreads = 1024;
+
+// Threads in all (workers + the calling thread): JFLASH_CPU_THREADS when it is
+// an integer in [1, kMaxThreads], else std::thread::hardware_concurrency().
+// jflash/_src/ffi.py rejects other values at import with a ValueError, so the
+// fallback only serves a library loaded without the Python package.
+int PoolThreads() {
+  if (const char* text = std::getenv("JFLASH_CPU_THREADS"); text != nullptr) {
+    char* end = nullptr;
+    errno = 0;
+    const long n = std::strtol(text, &end, 10);
+    if (errno == 0 && end != text && *end == '\0' && n >= 1 && n <= kMaxThreads) {
+      return static_cast<int>(n);
+    }
+  }
+  const unsigned threads = std::thread::hardware_concurrency();
+  return threads > 0 ? static_cast<int>(threads) : 1;
+}
 
 class ThreadPool {
  public:
   explicit ThreadPool(int num_threads) {
-    for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+    for (int i = 1; i < num_threads; ++i) {
+      workers_.emplace_back([this] { WorkerLoop(); });
+      // Named so that tools (and the tests) can tell the pool's threads apart.
+      pthread_setname_np(workers_.back().native_handle(), "jflash-cpu");
+    }
   }
 
   void ParallelFor(int64_t count, const std::function<void(int64_t)>& body) {
@@ -86,8 +112,7 @@ ThreadPool& Pool() {
   static pid_t pool_pid = 0;
   std::lock_guard<std::mutex> lock(mutex);
   if (pool == nullptr || pool_pid != getpid()) {
-    const unsigned threads = std::thread::hardware_concurrency();
-    pool = new ThreadPool(threads > 0 ? static_cast<int>(threads) : 1);
+    pool = new ThreadPool(PoolThreads());
     pool_pid = getpid();
   }
   return *pool;

@@ -1,8 +1,9 @@
 // The CPU kernels' own persistent worker pool.
 //
-// Created on first use with std::thread::hardware_concurrency() threads in all:
-// hardware_concurrency() - 1 workers that sleep between jobs, plus the thread
-// that calls parallel_for, which works on the job instead of idling. XLA's FFI
+// Created on first use with N threads in all: N - 1 workers that sleep between
+// jobs, plus the thread that calls parallel_for, which works on the job instead
+// of idling. N is the environment variable JFLASH_CPU_THREADS (1 to 1024, read
+// once per process) or else std::thread::hardware_concurrency(). XLA's FFI
 // thread pool is deliberately not used: the kernels then parallelize the same
 // way however XLA was configured, and a job never waits behind unrelated XLA
 // work queued on that pool.

@@ -59,12 +59,12 @@ foreach(_file IN LISTS _all_instantiations)
     endif()
   endforeach()
 endforeach()
-# The Hopper forward (flash_fwd_sm90_*) exists only as sm_90a code: compiled in
-# its own object library for 90a alone, and left out when 90a is not a target
-# (the handlers then run the sm80 forward on Hopper too).
+# The Hopper kernels (flash_fwd_sm90_*, flash_bwd_sm90_*) exist only as sm_90a
+# code: compiled in their own object library for 90a alone, and left out when
+# 90a is not a target (the handlers then run the sm80 kernels on Hopper too).
 set(_sm90_instantiations "${_instantiations}")
-list(FILTER _sm90_instantiations INCLUDE REGEX "flash_fwd_sm90_")
-list(FILTER _instantiations EXCLUDE REGEX "flash_fwd_sm90_")
+list(FILTER _sm90_instantiations INCLUDE REGEX "flash_(fwd|bwd)_sm90_")
+list(FILTER _instantiations EXCLUDE REGEX "flash_(fwd|bwd)_sm90_")
 if(NOT "90a" IN_LIST JFLASH_CUDA_ARCHS)
   set(_sm90_instantiations "")
 endif()
@@ -104,7 +104,8 @@ foreach(_target IN LISTS _cuda_targets)
 endforeach()
 
 # Explicit -gencode flags (not CUDA_ARCHITECTURES) so that 90a is spelled the
-# way nvcc 13.0 accepts for sm_90a-only instructions (device/HOPPER.md).
+# way nvcc 13.0 accepts for sm_90a-only instructions (the arch-specific
+# "a" targets need -gencode arch=compute_90a,code=sm_90a).
 set(_gencode "")
 foreach(_arch IN LISTS JFLASH_CUDA_ARCHS)
   list(APPEND _gencode "-gencode=arch=compute_${_arch},code=sm_${_arch}")

@@ -61,11 +61,21 @@ DIRECTIONS = {
     # The Hopper forward (sm90a only; cuda.cmake compiles these files for 90a
     # alone). Other head dims run the sm80 forward on Hopper too.
     "fwd_sm90": (
-        "cuda/sm90/flash_fwd_kernel.h",
+        "cuda/sm90/flash_fwd_kernel_sm90.h",
         "register_sm90_fwd_kernel(DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},\n"
         "    FwdKernel{{&sm90::run_flash_fwd_sm90<Element, {head_dim}, {banded}>,\n"
-        "              sm90::FwdTraits<Element, {head_dim}>::kSmemBytes, &tma_compatible}})",
+        "              sm90::FwdTraitsSm90<Element, {head_dim}>::kSmemBytes, &tma_compatible}})",
         (64, 128, 256),
+    ),
+    # The Hopper backward (sm90a only, like the Hopper forward); other head dims
+    # run the sm80 backward on Hopper too.
+    "bwd_sm90": (
+        "cuda/sm90/flash_bwd_kernel_sm90.h",
+        "register_sm90_bwd_kernel(DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},\n"
+        "    BwdKernel{{&sm90::run_flash_bwd_sm90<Element, {head_dim}, {banded}>,\n"
+        "              sm90::BwdTraitsSm90<Element, {head_dim}>::kSmemBytes,\n"
+        "              &sm90::tma_compatible_bwd}})",
+        (64, 128),
     ),
 }
 

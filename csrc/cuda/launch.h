@@ -36,6 +36,8 @@ struct FwdKernel {
 struct BwdKernel {
   BwdLauncher launch = nullptr;
   int smem_bytes = 0;
+  // Whether this kernel takes a given call (nullptr: every call), as for FwdKernel.
+  bool (*accepts)(const BwdParams&) = nullptr;
 };
 
 // Registry slots; head_dim is one of 32, 64, ..., 256. Return nullptr-launch
@@ -47,8 +49,9 @@ FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, bool banded,
 BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, bool banded,
                            SmemClass smem = SmemClass::kLarge);
 
-// The Hopper forward (csrc/cuda/sm90/), chosen on compute capability 9.0.
+// The Hopper kernels (csrc/cuda/sm90/), chosen on compute capability 9.0.
 FwdKernel& sm90_fwd_kernel_slot(DType dtype, int head_dim, bool banded);
+BwdKernel& sm90_bwd_kernel_slot(DType dtype, int head_dim, bool banded);
 
 // TMA reads tensors whose base addresses and strides are 16-byte multiples
 // and whose extents are non-zero.
@@ -64,6 +67,11 @@ inline bool tma_compatible(const FwdParams& p) {
 
 inline bool register_sm90_fwd_kernel(DType dtype, int head_dim, bool banded, FwdKernel kernel) {
   sm90_fwd_kernel_slot(dtype, head_dim, banded) = kernel;
+  return true;
+}
+
+inline bool register_sm90_bwd_kernel(DType dtype, int head_dim, bool banded, BwdKernel kernel) {
+  sm90_bwd_kernel_slot(dtype, head_dim, banded) = kernel;
   return true;
 }
 

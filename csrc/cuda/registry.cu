@@ -26,6 +26,11 @@ FwdKernel& sm90_fwd_kernel_slot(DType dtype, int head_dim, bool banded) {
   return table[slot_index(dtype, head_dim, banded)];
 }
 
+BwdKernel& sm90_bwd_kernel_slot(DType dtype, int head_dim, bool banded) {
+  static BwdKernel table[2 * kNumHeadDims * 2];
+  return table[slot_index(dtype, head_dim, banded)];
+}
+
 BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, bool banded, SmemClass smem) {
   static BwdKernel large[2 * kNumHeadDims * 2];
   static BwdKernel small[2 * kNumHeadDims * 2];

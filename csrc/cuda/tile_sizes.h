@@ -3,7 +3,7 @@
 // Everything else (shared-memory layouts, MMA warp layouts, grid shapes) is
 // derived from these entries in kernel_traits.h. A change of tile size is a
 // change of one line here, with its reason and measurement beside it
-// (csrc/cuda/NOTES.md holds the measurements).
+// (docs/cuda_kernels.md holds the measurements).
 //
 // Budgets that bound every entry:
 //   registers: 255 per thread. The forward keeps an output accumulator of
@@ -54,7 +54,7 @@ constexpr FwdTile fwd_tile(int head_dim, SmemClass smem = SmemClass::kLarge) {
     // output accumulator is only 32 floats per thread.
     case 32: return {128, 128, 4};
     // Head dim 64: 64-key tiles measured 292 TFLOP/s against 283 for 128-key
-    // tiles (H200, seq 16k; NOTES.md).
+    // tiles (H200, seq 16k; docs/cuda_kernels.md, sm80 forward).
     case 64: return {128, 64, 4};
     // 128 rows x 4 warps = 32 rows per warp: each K/V fragment read from smem
     // feeds two MMAs (halves smem traffic vs 16 rows per warp); score tile 64
@@ -122,7 +122,7 @@ constexpr BwdTile bwd_tile(int head_dim, SmemClass smem = SmemClass::kLarge) {
     // accumulators are head_dim floats per thread (<= 128). Two Q/dO stages:
     // 160 KB at head dim 128. Warps: S/dP 2 x 4 (32 x 32 each), dK/dV 4 x 2;
     // dQ 2 x 4 (32 x 32 each) where head_dim % 64 == 0, else 4 x 2 (2 x 4
-    // has each warp read a quarter of K^T per step, 4 x 2 half; NOTES.md, v3).
+    // has each warp read a quarter of K^T per step, 4 x 2 half; docs/cuda_kernels.md, sm80 backward).
     case 32: return {64, 128, 8, 2, 2, 4, 4};
     case 64: return {64, 128, 8, 2, 2, 4, 2};
     case 96: return {64, 128, 8, 2, 2, 4, 4};
@@ -169,7 +169,7 @@ struct Sm90FwdTile {
   // The softmax takes each key tile against the running max first and
   // computes the tile again where a row's max rose too far (see the kernel).
   // Cycles per launch against the full max on every tile (H200, ncu,
-  // csrc/cuda/NOTES.md s12): head dim 64 -12% causal 16k, -5% unmasked 16k,
+  // docs/cuda_kernels.md, Hopper forward: softmax): head dim 64 -12% causal 16k, -5% unmasked 16k,
   // -3% causal 512; head dim 128 -5% / -6% unmasked 4k / 16k, -6% causal 4k.
   // Not at head dim 256, whose tensor pipe is already 97% busy: +5% to +9%
   // cycles with it (the redo path's registers spilled there).
@@ -180,11 +180,11 @@ struct Sm90FwdTile {
 // has accepted its scores (they may be computed again), about a step longer
 // than its product needs. A third K buffer, to load a step further ahead,
 // measured no better: cycles per launch +0.5% to +2.3% at head dim 128,
-// -0.3% to +0.6% at head dim 64 (H200, ncu; csrc/cuda/NOTES.md s12).
+// -0.3% to +0.6% at head dim 64 (H200, ncu; docs/cuda_kernels.md, Hopper forward: tiles).
 //
 // smem = (block_m + (k_stages + v_stages) * block_n) * head_dim * 2 bytes
 // (<= 227 KB),
-// plus the output slabs where they fit (sm90/flash_fwd_kernel.h).
+// plus the output slabs where they fit (sm90/traits_fwd_sm90.h).
 // registers per consumer thread: block_n / 2 score floats + head_dim / 2
 // output floats + block_n / 4 words of P (+ head_dim / 4 words of Q with
 // q_in_registers), under the setmaxnreg budget (240 with two consumer
@@ -194,7 +194,7 @@ constexpr Sm90FwdTile sm90_fwd_tile(int head_dim) {
     // Head dim 64: the products are half as long as at 128 while the softmax
     // is not, so two warpgroups cannot hide each other's softmax; three
     // (192 rows, no ping-pong) measured 436 / 493 TFLOP/s at seq 4k / 16k
-    // against 390 / 443 for 128 x 128 (H200; csrc/cuda/NOTES.md).
+    // against 390 / 443 for 128 x 128 (H200; docs/cuda_kernels.md, Hopper forward: tiles).
     case 64: return {192, 128, 2, 2, false, true};  // 88 KB + 24 KB of output slabs
     // Head dim 128 (H200, unmasked, seq 4k / 16k; before the softmax held K
     // tiles for a step): 128x128 with 2 K and 2 V buffers 560 / 604 TFLOP/s,
@@ -202,7 +202,7 @@ constexpr Sm90FwdTile sm90_fwd_tile(int head_dim) {
     // 128x192 535 / 593. 128x176 (needs CuTe's extended wgmma shapes, else
     // it runs 64x16 atoms at -25%) measured level with 128x128 at 16k (per
     // round -4% to +3%) and -7% at 4k, where a 176-key grid wastes 3% on its
-    // last tile. Q in registers: +1-2% (s10; csrc/cuda/NOTES.md).
+    // last tile. Q in registers: +1-2% (146ae08; docs/cuda_kernels.md, Hopper forward: loads and epilogue).
     case 128: return {128, 128, 2, 2, true, true};  // 160 KB + 32 KB of output slabs
     // Head dim 256: 128 output floats per thread leave room for a 64-key
     // score tile only; (as above) 2 and 2 buffers 596 / 673, 3 and 3 600 / 667.
@@ -216,13 +216,37 @@ constexpr Sm90FwdTile sm90_fwd_tile(int head_dim) {
 // instead. Head dim 64 on 128 x 128 tiles with two ping-pong consumers wastes
 // less of the diagonal and ends units sooner than 192 x 128 on three (H200,
 // causal, against 192 x 128: +5% at seq 512, +9% at 1024, -1% at 2048, -8% at
-// 16k; csrc/cuda/NOTES.md s9). Its shared memory must not exceed the main
+// 16k; docs/cuda_kernels.md, Hopper forward: tiles). Its shared memory must not exceed the main
 // tile's (the launcher asserts it), which is the size a build reports.
 constexpr int kSm90ShortBandMaxLen = 1024;
 constexpr Sm90FwdTile sm90_fwd_tile_short_band(int head_dim) {
   switch (head_dim) {
     case 64: return {128, 128, 2, 2, false, true};  // 80 KB + 16 KB of output slabs
     default: return {0, 0, 0, 0};
+  }
+}
+
+// Hopper backward (csrc/cuda/sm90/flash_bwd_kernel_sm90.h): a CTA keeps
+// block_n keys' K, V and dK, dV accumulators on chip and walks the query
+// blocks; one producer warpgroup and block_n / 64 consumer warpgroups, 64 keys
+// each. Head dims without an entry run the sm80 backward on Hopper too.
+struct Sm90BwdTile {
+  int block_m;   // query rows per step (the N of S^T = K Q^T, the K of dV, dK)
+  int block_n;   // keys per CTA: 64 per consumer warpgroup
+  int q_stages;  // buffers of the Q and dO tiles (the next steps' load ahead)
+};
+
+// registers per consumer thread: dK and dV accumulators 2 * 64 * head_dim /
+// 128 floats, S^T and dP^T block_m / 2 floats each, dQ head_dim / 4 floats
+// (block_m 64), under the setmaxnreg budget of 240.
+// smem = (2 * block_n + 2 * q_stages * block_m) * head_dim * 2 bytes (K, V,
+// Q and dO) + 2 * block_m * block_n * 2 bytes (dS, two buffers)
+// + block_m * head_dim * 4 bytes (the float32 dQ tile on its way to L2).
+constexpr Sm90BwdTile sm90_bwd_tile(int head_dim) {
+  switch (head_dim) {
+    case 64: return {64, 128, 2};   // 112 KB
+    case 128: return {64, 128, 2};  // 192 KB
+    default: return {0, 0, 0};
   }
 }
 

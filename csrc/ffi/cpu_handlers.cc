@@ -34,7 +34,8 @@ ffi::Error BwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
                   int64_t diag_hi) {
   BwdParams params;
   if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, *dq, *dk, *dv, *dq_accum,
-                                         *delta, softmax_scale, diag_lo, diag_hi, &params);
+                                         *delta, softmax_scale, diag_lo, diag_hi, &params,
+                                         /*uses_dq_accum=*/false);
       err.failure()) {
     return err;
   }

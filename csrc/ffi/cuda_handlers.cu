@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "cuda/launch.h"
 #include "ffi/bindings.h"
@@ -28,7 +29,7 @@ struct DeviceInfo {
   cudaError_t error = cudaSuccess;
   int sm_count = 0;
   int max_smem_per_block = 0;  // opt-in limit for dynamic shared memory
-  bool is_sm90 = false;        // compute capability 9.0: the Hopper forward applies
+  bool is_sm90 = false;        // compute capability 9.0: the Hopper kernels apply
 };
 
 constexpr int kMaxDevices = 64;
@@ -55,19 +56,25 @@ const DeviceInfo& device_info(int device) {
   return infos[device];
 }
 
-// JFLASH_CUDA_FORWARD picks the forward kernel family: "auto" (default: the
-// Hopper kernel on compute capability 9.0 where it covers the call, the sm80
-// kernel elsewhere) or "sm80" (the sm80 kernel everywhere; for comparisons).
-// Read once per process, so every call of a program sees the same choice.
-enum class ForwardChoice { kAuto, kSm80, kInvalid };
-ForwardChoice forward_choice() {
-  static const ForwardChoice choice = [] {
-    const char* env = std::getenv("JFLASH_CUDA_FORWARD");
-    if (env == nullptr || std::string(env).empty() || std::string(env) == "auto") {
-      return ForwardChoice::kAuto;
-    }
-    return std::string(env) == "sm80" ? ForwardChoice::kSm80 : ForwardChoice::kInvalid;
-  }();
+// JFLASH_CUDA_FORWARD and JFLASH_CUDA_BACKWARD pick a kernel family: "auto"
+// (default: the Hopper kernel on compute capability 9.0 where it covers the
+// call, the sm80 kernel elsewhere) or "sm80" (the sm80 kernel everywhere; for
+// comparisons). Read once per process, so every call of a program sees the
+// same choice.
+enum class FamilyChoice { kAuto, kSm80, kInvalid };
+FamilyChoice read_family_choice(const char* variable) {
+  const char* env = std::getenv(variable);
+  if (env == nullptr || std::string(env).empty() || std::string(env) == "auto") {
+    return FamilyChoice::kAuto;
+  }
+  return std::string(env) == "sm80" ? FamilyChoice::kSm80 : FamilyChoice::kInvalid;
+}
+FamilyChoice forward_choice() {
+  static const FamilyChoice choice = read_family_choice("JFLASH_CUDA_FORWARD");
+  return choice;
+}
+FamilyChoice backward_choice() {
+  static const FamilyChoice choice = read_family_choice("JFLASH_CUDA_BACKWARD");
   return choice;
 }
 
@@ -94,11 +101,14 @@ int smem_limit(const DeviceInfo& info) {
 
 // Errors of the process-wide settings (environment variables), checked on
 // every call so that a typo is reported, never silently ignored.
-ffi::Error CheckSettings(ForwardChoice choice) {
-  if (choice == ForwardChoice::kInvalid) {
-    return ffi::Error::InvalidArgument(
-        "jflash: JFLASH_CUDA_FORWARD must be 'auto' or 'sm80' (got '" +
-        std::string(std::getenv("JFLASH_CUDA_FORWARD")) + "')");
+ffi::Error CheckSettings() {
+  for (auto [choice, variable] : {std::pair{forward_choice(), "JFLASH_CUDA_FORWARD"},
+                                  std::pair{backward_choice(), "JFLASH_CUDA_BACKWARD"}}) {
+    if (choice == FamilyChoice::kInvalid) {
+      return ffi::Error::InvalidArgument(std::string("jflash: ") + variable +
+                                         " must be 'auto' or 'sm80' (got '" +
+                                         std::getenv(variable) + "')");
+    }
   }
   if (smem_limit_override() < 0) {
     return ffi::Error::InvalidArgument(
@@ -148,11 +158,11 @@ cuda::SmemClass Sm80Column(int large_tile_smem, bool has_small_tile, const Devic
 // limit and takes the call (params == nullptr: assume it does), else the sm80
 // kernel of the device's tile column, which computes the same result
 // everywhere. launch == nullptr when the kernel it needs was not built.
-cuda::FwdKernel SelectForward(const DeviceInfo& info, ForwardChoice choice, DType dtype,
+cuda::FwdKernel SelectForward(const DeviceInfo& info, FamilyChoice choice, DType dtype,
                               int head_dim, bool banded, const FwdParams* params) {
   if (!KernelHeadDim(dtype, head_dim)) return {};
   const cuda::FwdKernel& hopper = cuda::sm90_fwd_kernel_slot(dtype, head_dim, banded);
-  if (info.is_sm90 && choice == ForwardChoice::kAuto && hopper.launch != nullptr &&
+  if (info.is_sm90 && choice == FamilyChoice::kAuto && hopper.launch != nullptr &&
       hopper.smem_bytes <= smem_limit(info) &&
       (params == nullptr || hopper.accepts == nullptr || hopper.accepts(*params))) {
     return hopper;
@@ -162,8 +172,16 @@ cuda::FwdKernel SelectForward(const DeviceInfo& info, ForwardChoice choice, DTyp
   return cuda::fwd_kernel_slot(dtype, head_dim, banded, column);
 }
 
-cuda::BwdKernel SelectBackward(const DeviceInfo& info, DType dtype, int head_dim, bool banded) {
+// The backward kernel for a call, chosen as SelectForward chooses.
+cuda::BwdKernel SelectBackward(const DeviceInfo& info, FamilyChoice choice, DType dtype,
+                               int head_dim, bool banded, const BwdParams* params) {
   if (!KernelHeadDim(dtype, head_dim)) return {};
+  const cuda::BwdKernel& hopper = cuda::sm90_bwd_kernel_slot(dtype, head_dim, banded);
+  if (info.is_sm90 && choice == FamilyChoice::kAuto && hopper.launch != nullptr &&
+      hopper.smem_bytes <= smem_limit(info) &&
+      (params == nullptr || hopper.accepts == nullptr || hopper.accepts(*params))) {
+    return hopper;
+  }
   const auto column = Sm80Column(cuda::bwd_smem_bytes(cuda::bwd_tile(head_dim), head_dim),
                                  cuda::has_small_bwd_tile(head_dim), info);
   return cuda::bwd_kernel_slot(dtype, head_dim, banded, column);
@@ -225,8 +243,8 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   }
   auto info = current_device_info();
   if (info.has_error()) return info.error();
-  const ForwardChoice choice = forward_choice();
-  if (auto err = CheckSettings(choice); err.failure()) return err;
+  const FamilyChoice choice = forward_choice();
+  if (auto err = CheckSettings(); err.failure()) return err;
   const bool banded = !params.mask.is_full(params.seqlen_q, params.seqlen_k);
   const cuda::FwdKernel kernel =
       SelectForward(**info, choice, params.dtype, params.head_dim, banded, &params);
@@ -255,9 +273,10 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   // seqlen_q == 0 still launches: dK and dV must be written (as zeros).
   auto info = current_device_info();
   if (info.has_error()) return info.error();
-  if (auto err = CheckSettings(forward_choice()); err.failure()) return err;
+  if (auto err = CheckSettings(); err.failure()) return err;
   const bool banded = !params.mask.is_full(params.seqlen_q, params.seqlen_k);
-  const cuda::BwdKernel kernel = SelectBackward(**info, params.dtype, params.head_dim, banded);
+  const cuda::BwdKernel kernel =
+      SelectBackward(**info, backward_choice(), params.dtype, params.head_dim, banded, &params);
   auto ctx = Prepare(params, stream, **info, banded, kernel.smem_bytes, kernel.launch != nullptr,
                      "backward");
   if (ctx.has_error()) return ctx.error();
@@ -271,7 +290,7 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 // device or a setting is invalid (the queries then answer -1).
 const DeviceInfo* QueryDevice() {
   auto info = current_device_info();
-  if (info.has_error() || CheckSettings(forward_choice()).failure()) return nullptr;
+  if (info.has_error() || CheckSettings().failure()) return nullptr;
   return *info;
 }
 
@@ -298,6 +317,20 @@ extern "C" __attribute__((visibility("default"))) int jflash_cuda_forward_family
              : 80;
 }
 
+// The same for the backward (jflash/_src/ffi.py: cuda_backward_family).
+extern "C" __attribute__((visibility("default"))) int jflash_cuda_backward_family(int dtype,
+                                                                                 int head_dim,
+                                                                                 int banded) {
+  const jflash::DeviceInfo* info = jflash::QueryDevice();
+  if (info == nullptr) return -1;
+  const auto d = static_cast<jflash::DType>(dtype);
+  const auto kernel =
+      jflash::SelectBackward(*info, jflash::backward_choice(), d, head_dim, banded != 0, nullptr);
+  if (kernel.launch == nullptr) return 0;
+  return kernel.launch == jflash::cuda::sm90_bwd_kernel_slot(d, head_dim, banded != 0).launch ? 90
+                                                                                              : 80;
+}
+
 // The dynamic shared memory per block of the kernel a call would run on the
 // current device (jflash/_src/ffi.py: cuda_kernel_smem_bytes): direction 0
 // forward, 1 backward; 0 when that kernel was not built, -1 as above.
@@ -311,7 +344,8 @@ extern "C" __attribute__((visibility("default"))) int jflash_cuda_kernel_smem_by
         jflash::SelectForward(*info, jflash::forward_choice(), d, head_dim, banded != 0, nullptr);
     return kernel.launch == nullptr ? 0 : kernel.smem_bytes;
   }
-  const auto kernel = jflash::SelectBackward(*info, d, head_dim, banded != 0);
+  const auto kernel =
+      jflash::SelectBackward(*info, jflash::backward_choice(), d, head_dim, banded != 0, nullptr);
   return kernel.launch == nullptr ? 0 : kernel.smem_bytes;
 }
 

@@ -137,7 +137,7 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
                                 ffi::AnyBuffer dlse, ffi::AnyBuffer dq, ffi::AnyBuffer dk,
                                 ffi::AnyBuffer dv, ffi::AnyBuffer dq_accum, ffi::AnyBuffer delta,
                                 float softmax_scale, int64_t diag_lo, int64_t diag_hi,
-                                BwdParams* p) {
+                                BwdParams* p, bool uses_dq_accum = true) {
   if (auto err = FillFwdParams(q, k, v, out, lse, softmax_scale, diag_lo, diag_hi, p);
       err.failure()) {
     return err;
@@ -151,10 +151,14 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
       dk.element_count() != k.element_count() || dv.element_count() != v.element_count()) {
     return ffi::Error::InvalidArgument("jflash: gradient shapes must match q, k, v");
   }
+  // dq_accum is the float32 dq scratch of the CUDA kernels: [rows, head_dim].
+  // A handler whose kernels do not use it (uses_dq_accum false: the CPU one)
+  // also takes an empty buffer, which jflash/_src/kernel_calls.py passes on CPU.
+  const bool dq_accum_ok = dq_accum.element_count() == rows * p->head_dim ||
+                           (!uses_dq_accum && dq_accum.element_count() == 0);
   if (dlse.element_type() != ffi::DataType::F32 || dlse.element_count() != rows ||
       delta.element_type() != ffi::DataType::F32 || delta.element_count() != rows ||
-      dq_accum.element_type() != ffi::DataType::F32 ||
-      dq_accum.element_count() != rows * p->head_dim) {
+      dq_accum.element_type() != ffi::DataType::F32 || !dq_accum_ok) {
     return ffi::Error::InvalidArgument("jflash: bad dlse, delta or dq_accum buffer");
   }
   p->dout = dout.untyped_data();
@@ -162,7 +166,7 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   p->dq = dq.untyped_data();
   p->dk = dk.untyped_data();
   p->dv = dv.untyped_data();
-  p->dq_accum = static_cast<float*>(dq_accum.untyped_data());
+  p->dq_accum = uses_dq_accum ? static_cast<float*>(dq_accum.untyped_data()) : nullptr;
   p->delta = static_cast<float*>(delta.untyped_data());
   p->dout_batch_stride = p->out_batch_stride;
   p->dout_row_stride = p->out_row_stride;

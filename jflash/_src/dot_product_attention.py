@@ -17,6 +17,7 @@ patched here to jax's answer, gradients included.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import jax
@@ -38,7 +39,10 @@ def _static_scale(scale):
     if isinstance(scale, (bool, np.bool_)):
         return None
     if isinstance(scale, (numbers.Real, np.floating, np.integer)):
-        return float(scale)
+        try:
+            return float(scale)
+        except OverflowError:  # a Python int beyond float64's range
+            return math.copysign(math.inf, scale)
     if isinstance(scale, (np.ndarray, jax.Array)) and np.shape(scale) == ():
         try:
             return float(scale)
@@ -79,6 +83,10 @@ def _unsupported(query, key, value, bias, mask, scale, q_lengths, kv_lengths, wi
     ranks = {len(s) for s in shapes.values()}
     if len(ranks) != 1 or ranks.pop() not in (3, 4):
         return f"query, key and value must all have rank 3 or all rank 4, got shapes {shapes}"
+    for name, shape in shapes.items():
+        symbolic = validation.symbolic_dims(shape)
+        if symbolic:
+            return f"{name} has symbolic {' and '.join(symbolic)} (jflash needs them static)"
     dtypes = {query.dtype, key.dtype, value.dtype}
     if len(dtypes) != 1 or query.dtype not in validation.SUPPORTED_DTYPES:
         return (
@@ -98,8 +106,12 @@ def _unsupported(query, key, value, bias, mask, scale, q_lengths, kv_lengths, wi
         return f"head dim {q[3]} exceeds {validation.MAX_HEAD_DIM}"
     if 0 in q or 0 in k:
         return f"zero-sized dimension in query {query.shape} or key {key.shape}"
-    if scale is not None and _static_scale(scale) is None:
-        return f"scale must be a static real number for jflash, got {type(scale).__name__}"
+    if scale is not None:
+        static_scale = _static_scale(scale)
+        if static_scale is None:
+            return f"scale must be a static real number for jflash, got {type(scale).__name__}"
+        if not validation.finite_as_float32(static_scale):
+            return f"scale must be finite as float32 for jflash, got {static_scale}"
     if window is not None and _window(window) is None:
         return f"local_window_size must be an int or a pair of ints, got {window!r}"
     return None

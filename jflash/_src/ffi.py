@@ -9,6 +9,7 @@ lowers for either platform.
 from __future__ import annotations
 
 import ctypes
+import os
 import pathlib
 
 import jax
@@ -66,6 +67,24 @@ def _register(lib: ctypes.CDLL, platform: str, suffix: str) -> None:
         )
 
 
+CPU_THREADS_VARIABLE = "JFLASH_CPU_THREADS"
+_MAX_CPU_THREADS = 1024  # kMaxThreads of csrc/cpu/thread_pool.cc
+
+
+def _check_cpu_threads() -> None:
+    """The CPU kernels' pool size (csrc/cpu/thread_pool.cc reads it on first use):
+    unset, or an integer from 1 to 1024."""
+    text = os.environ.get(CPU_THREADS_VARIABLE)
+    if text is None:
+        return
+    if not (text.isascii() and text.isdigit() and 1 <= int(text) <= _MAX_CPU_THREADS):
+        raise ValueError(
+            f"{CPU_THREADS_VARIABLE} must be an integer from 1 to {_MAX_CPU_THREADS} "
+            f"(threads of jflash's CPU kernels), got {text!r}"
+        )
+
+
+_check_cpu_threads()
 _cpu_lib = _load(_CPU_LIBRARY)
 if _cpu_lib is None:
     raise ImportError(
@@ -103,13 +122,26 @@ def cuda_forward_family(dtype, head_dim: int, banded: bool) -> int:
     return int(_cuda_lib.jflash_cuda_forward_family(code, int(head_dim), int(bool(banded))))
 
 
+def cuda_backward_family(dtype, head_dim: int, banded: bool) -> int:
+    """The CUDA backward kernel a call would run on the current GPU.
+
+    The same codes as cuda_forward_family, under JFLASH_CUDA_BACKWARD. Calls whose
+    tensors the Hopper kernel cannot take (TMA's 16-byte alignment, an empty
+    sequence) run the sm80 backward whatever this says.
+    """
+    code = _cuda_dtype_code(dtype)
+    if code is None:
+        return 0
+    return int(_cuda_lib.jflash_cuda_backward_family(code, int(head_dim), int(bool(banded))))
+
+
 def cuda_kernel_smem_bytes(direction: str, dtype, head_dim: int, banded: bool) -> int:
     """Shared memory per block of the CUDA kernel a call would run on the current GPU.
 
     direction: "fwd" or "bwd". The handler picks the small-shared-memory tile
     column (csrc/cuda/tile_sizes.h) where the device, or JFLASH_CUDA_SMEM_LIMIT,
     allows less than the default tile needs. 0: that kernel was not built; -1:
-    no usable GPU, or an invalid JFLASH_CUDA_FORWARD / JFLASH_CUDA_SMEM_LIMIT.
+    no usable GPU, or an invalid JFLASH_CUDA_FORWARD / _BACKWARD / _SMEM_LIMIT.
     For tests and benchmarks, like cuda_forward_family.
     """
     if direction not in ("fwd", "bwd"):

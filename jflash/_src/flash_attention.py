@@ -37,19 +37,52 @@ def causal_band(seqlen_q: int, seqlen_k: int, causal: bool, *, bottom_right: boo
     return diag_lo, (seqlen_k - seqlen_q) if bottom_right else 0
 
 
-# cp: the context-parallel configuration (strategy, layout, layout axis size),
-# read when the call is traced (context_parallel.current_config).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _attention(q, k, v, softmax_scale, diag_lo, diag_hi, cp):
+SECOND_ORDER_UNSUPPORTED = (
+    "jflash: second-order differentiation of flash attention (jax.grad of jax.grad, "
+    "jax.hessian, or any derivative of its backward pass) is not supported; the "
+    "backward kernel has no derivative rule. Use jax.nn.dot_product_attention "
+    "(implementation='xla') where second derivatives are needed."
+)
+
+
+# cp, here and in _attention: the context-parallel configuration (strategy,
+# layout, layout axis size), read when the call is traced
+# (context_parallel.current_config) and static like the band.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6))
+def _forward(q, k, v, softmax_scale, diag_lo, diag_hi, cp):
     return kernel_calls.fwd(
         q, k, v, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi, context_parallel=cp
     )
 
 
-def _attention_fwd(q, k, v, softmax_scale, diag_lo, diag_hi, cp):
-    out, lse = kernel_calls.fwd(
-        q, k, v, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi, context_parallel=cp
+@functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8, 9, 10))
+def _backward(q, k, v, out, dout, lse, dlse, softmax_scale, diag_lo, diag_hi, cp):
+    return kernel_calls.bwd(
+        q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=diag_lo,
+        diag_hi=diag_hi, context_parallel=cp,
     )
+
+
+def _no_second_order(softmax_scale, diag_lo, diag_hi, cp, primals, tangents):
+    # The custom_vjp below (_attention) gives first derivatives. A second derivative
+    # differentiates the kernel calls themselves (the forward's under the outer
+    # transform, or the backward's), which would otherwise fail deep inside jax
+    # ("Differentiation rule for 'custom_partitioning' not implemented").
+    del softmax_scale, diag_lo, diag_hi, cp, primals, tangents
+    raise NotImplementedError(SECOND_ORDER_UNSUPPORTED)
+
+
+_forward.defjvp(_no_second_order)
+_backward.defjvp(_no_second_order)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _attention(q, k, v, softmax_scale, diag_lo, diag_hi, cp):
+    return _forward(q, k, v, softmax_scale, diag_lo, diag_hi, cp)
+
+
+def _attention_fwd(q, k, v, softmax_scale, diag_lo, diag_hi, cp):
+    out, lse = _forward(q, k, v, softmax_scale, diag_lo, diag_hi, cp)
     out = checkpoint_name(out, OUT_NAME)
     lse = checkpoint_name(lse, LSE_NAME)
     return (out, lse), (q, k, v, out, lse)
@@ -58,7 +91,7 @@ def _attention_fwd(q, k, v, softmax_scale, diag_lo, diag_hi, cp):
 def _attention_bwd(softmax_scale, diag_lo, diag_hi, cp, residuals, cotangents):
     q, k, v, out, lse = residuals
     dout, dlse = cotangents
-    return kernel_calls.bwd(
+    return _backward(
         q,
         k,
         v,
@@ -66,10 +99,10 @@ def _attention_bwd(softmax_scale, diag_lo, diag_hi, cp, residuals, cotangents):
         dout.astype(out.dtype),
         lse,
         dlse.astype(jnp.float32),
-        softmax_scale=softmax_scale,
-        diag_lo=diag_lo,
-        diag_hi=diag_hi,
-        context_parallel=cp,
+        softmax_scale,
+        diag_lo,
+        diag_hi,
+        cp,
     )
 
 

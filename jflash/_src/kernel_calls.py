@@ -61,9 +61,12 @@ def _fwd_ffi(q, k, v, *, softmax_scale, diag_lo, diag_hi):
     )
 
 
-def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi):
+def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, on_cpu):
     *lead, seqlen_q, num_heads, head_dim = q.shape
     f32 = jnp.float32
+    # The CUDA kernels accumulate dq in a float32 scratch; the CPU kernel keeps
+    # each dq tile in its task's memory, so on CPU the handler takes an empty one.
+    dq_accum_shape = (0,) if on_cpu else (*lead, num_heads, seqlen_q, head_dim)
     call = jax.ffi.ffi_call(
         _ffi.BWD_TARGET,
         (
@@ -72,7 +75,7 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi):
             jax.ShapeDtypeStruct(v.shape, v.dtype),  # dv
             # Float32 scratch the kernels need; XLA allocates it, so the handlers
             # never call cudaMalloc and stay CUDA-graph safe.
-            jax.ShapeDtypeStruct((*lead, num_heads, seqlen_q, head_dim), f32),  # dq_accum
+            jax.ShapeDtypeStruct(dq_accum_shape, f32),  # dq_accum
             jax.ShapeDtypeStruct((*lead, num_heads, seqlen_q), f32),  # delta
         ),
         vmap_method="broadcast_all",
@@ -103,13 +106,15 @@ def fwd_band_call(softmax_scale):
     return call
 
 
-def bwd_band_call(softmax_scale):
-    """call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi) -> (dq, dk, dv)."""
+def bwd_band_call(softmax_scale, *, on_cpu):
+    """call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi) -> (dq, dk, dv);
+    on_cpu: the CPU branch of bwd (no dq scratch)."""
 
     def call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi):
         lo, hi = clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
         return _bwd_ffi(
-            q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi
+            q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi,
+            on_cpu=on_cpu,
         )
 
     return call
@@ -124,10 +129,10 @@ def _fwd_body(q, k, v, *, softmax_scale, diag_lo, diag_hi, context_parallel):
 
 
 def _bwd_body(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi,
-              context_parallel):
+              context_parallel, on_cpu):
     return _cp.full_sequence_bwd(
         q, k, v, out, dout, lse, dlse, diag_lo=diag_lo, diag_hi=diag_hi,
-        config=context_parallel, call=bwd_band_call(softmax_scale),
+        config=context_parallel, call=bwd_band_call(softmax_scale, on_cpu=on_cpu),
     )
 
 
@@ -170,17 +175,20 @@ def bwd(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi,
         context_parallel=_cp.DEFAULT_CONFIG):
     """(dq, dk, dv) in the input dtype, recomputing attention from (q, k, v, out, lse)."""
     kw = dict(softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
-              context_parallel=context_parallel)
+              context_parallel=context_parallel, on_cpu=False)
+    on_cpu = functools.partial(_bwd_native, **dict(kw, on_cpu=True))
     if q.dtype != jnp.float32:
-        return _bwd_native(q, k, v, out, dout, lse, dlse, **kw)
+        on_gpu = functools.partial(_bwd_native, **kw)
+    else:
 
-    def on_gpu(q, k, v, out, dout, lse, dlse):
-        c = _GPU_COMPUTE_DTYPE
-        grads = _bwd_native(
-            q.astype(c), k.astype(c), v.astype(c), out.astype(c), dout.astype(c), lse, dlse, **kw
-        )
-        return tuple(g.astype(jnp.float32) for g in grads)
+        def on_gpu(q, k, v, out, dout, lse, dlse):
+            c = _GPU_COMPUTE_DTYPE
+            grads = _bwd_native(
+                q.astype(c), k.astype(c), v.astype(c), out.astype(c), dout.astype(c), lse, dlse,
+                **kw,
+            )
+            return tuple(g.astype(jnp.float32) for g in grads)
 
     return jax.lax.platform_dependent(
-        q, k, v, out, dout, lse, dlse, cpu=functools.partial(_bwd_native, **kw), default=on_gpu
+        q, k, v, out, dout, lse, dlse, cpu=on_cpu, default=on_gpu
     )

@@ -178,8 +178,8 @@ def _partitioned(call, rule, local_shardings, result_specs, band_call):
     """custom_partitioning of call(*arrays, **static) with a custom_vmap around it.
 
     result_specs maps the operands' full PartitionSpecs to the results' specs
-    (used under Explicit mesh axes only). band_call(softmax_scale) is the kernel
-    on chunk pairs that a context-parallel lowering calls."""
+    (used under Explicit mesh axes only). band_call(softmax_scale, ...) is the
+    kernel on chunk pairs that a context-parallel lowering calls."""
 
     @functools.partial(custom_partitioning, static_argnums=(0,))
     def partitioned(static, *arrays):
@@ -287,7 +287,8 @@ def _bwd_shardings(mesh, arg_shapes, lower, static, band_call):
     (q_like, kv, row), partial_axes, plan = _local_shardings(mesh, arg_shapes, static)
     if plan is not None:
         lower = _without_mesh_context(functools.partial(
-            cp.sharded_bwd, plan=plan, call=band_call(static["softmax_scale"])
+            cp.sharded_bwd, plan=plan,
+            call=band_call(static["softmax_scale"], on_cpu=static["on_cpu"]),
         ))
     if partial_axes:
         unsummed = lower

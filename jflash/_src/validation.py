@@ -24,6 +24,14 @@ def _shape_dtype(name, x):
     return tuple(shape), jnp.dtype(dtype)
 
 
+def symbolic_dims(shape):
+    """Which of seq_len and head_dim of a [..., seq_len, num_heads, head_dim] shape
+    are symbolic (jax.export shape polymorphism), e.g. ["seq_len 't'"]. The kernels'
+    mask band and head-dim padding are computed from them at trace time."""
+    dims = (("seq_len", shape[-3]), ("head_dim", shape[-1]))
+    return [f"{name} {str(d)!r}" for name, d in dims if not isinstance(d, (int, np.integer))]
+
+
 def check_qkv(query, key, value):
     """Validates [batch, seq, heads, head_dim] q/k/v; returns their shapes and dtype."""
     shapes = {}
@@ -39,6 +47,13 @@ def check_qkv(query, key, value):
         if dtype not in SUPPORTED_DTYPES:
             raise TypeError(
                 f"{name} has dtype {dtype}; jflash supports float16, bfloat16 and float32"
+            )
+        symbolic = symbolic_dims(shape)
+        if symbolic:
+            raise ValueError(
+                f"{name} has symbolic {' and '.join(symbolic)} in shape {shape}; jflash "
+                "needs static sequence lengths and head_dim (in jax.export, only batch and "
+                "num_heads may be symbolic)"
             )
         if any(d == 0 for d in shape):
             raise ValueError(f"{name} must have no zero-sized dimension, got shape {shape}")
@@ -77,10 +92,32 @@ def check_softmax_scale(softmax_scale, head_dim):
             "softmax_scale must be a Python or NumPy real number (a static value), "
             f"got {type(softmax_scale).__name__}"
         )
-    scale = float(softmax_scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"softmax_scale must be finite, got {scale}")
-    return scale
+    return check_scale_value("softmax_scale", softmax_scale)
+
+
+def check_scale_value(name, value):
+    """A real scale as the Python float of the float32 the kernels receive; ValueError
+    when that float32 is not finite (nan, inf, or beyond float32's range)."""
+    try:
+        scale = float(value)
+    except OverflowError:
+        scale = math.inf
+    if not finite_as_float32(scale):
+        raise ValueError(
+            f"{name} must be finite as float32 (|{name}| <= "
+            f"{float(np.finfo(np.float32).max):.4g}), got {_short_repr(value)}"
+        )
+    return float(np.float32(scale))
+
+
+def _short_repr(value):
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:12]}...({len(text)} characters)"
+
+
+def finite_as_float32(scale: float) -> bool:
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(np.float32(scale)))
 
 
 def check_bool(name, value):

@@ -13,16 +13,37 @@ from __future__ import annotations
 import math
 
 import flax.linen as linen
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jflash._src.dot_product_attention import dot_product_attention
+from jflash._src.dot_product_attention import _unsupported, dot_product_attention
+
+
+def _check_batch_dims(query, key, value):
+    """ValueError unless q, k, v have one rank and the same batch dims, as Flax's
+    nnx.dot_product_attention requires (linen's asserts it)."""
+    arrays = (query, key, value)
+    if len({x.ndim for x in arrays}) != 1:
+        ranks = ", ".join(str(x.ndim) for x in arrays)
+        raise ValueError(f"query, key and value must have the same rank, got {ranks}")
+    if any(x.ndim < 3 for x in arrays):
+        shapes = ", ".join(str(x.shape) for x in arrays)
+        raise ValueError(
+            "query, key and value must be [batch..., length, heads, head_dim], "
+            f"got shapes {shapes}"
+        )
+    if len({x.shape[:-3] for x in arrays}) != 1:
+        shapes = ", ".join(str(x.shape) for x in arrays)
+        raise ValueError(f"query, key and value batch dims must match, got shapes {shapes}")
 
 
 def _fallback(query, key, value, *, bias, mask, is_causal, module, linen_only, **kwargs):
-    """Flax's own attention: nnx's when the caller is nnx (it passes is_causal or an
-    nnx module), linen's otherwise."""
-    if not linen_only and (is_causal is not None or isinstance(module, nnx.Module)):
+    """Flax's own attention, from the Flax API of the caller: linen's for a linen
+    module, nnx's for an nnx module; without a module, nnx's when is_causal is
+    passed (nnx passes it; a linen caller may bind it) and linen's otherwise."""
+    nnx_caller = module is None and is_causal is not None and not linen_only
+    if isinstance(module, nnx.Module) or nnx_caller:
         return nnx.dot_product_attention(
             query, key, value, bias, mask, module=module, is_causal=bool(is_causal), **kwargs
         )
@@ -57,9 +78,12 @@ def attention_fn(
     """Drop-in attention_fn for flax.linen and flax.nnx attention layers.
 
     jflash runs when there is no bias or mask, no active dropout (dropout_rate 0
-    or deterministic), no sown weights (module None), no custom einsums and no
-    explicit precision; otherwise Flax's own dot_product_attention runs (nnx's
-    when the caller is nnx, linen's otherwise). The softmax always runs in
+    or deterministic), no sown weights (module None), no custom einsums, no
+    explicit precision, and the kernels take q, k, v (float16, bfloat16 or
+    float32 after promotion, head dim <= 256); otherwise Flax's own
+    dot_product_attention runs (linen's for a linen module, nnx's for an nnx
+    one; without a module, nnx's when is_causal is passed). q, k and v must
+    have the same batch dims (ValueError, as in Flax). The softmax always runs in
     float32, so force_fp32_for_softmax needs nothing.
 
     Causal attention: nnx passes is_causal itself (MultiHeadAttention(...)(x,
@@ -76,6 +100,7 @@ def attention_fn(
         dtype=dtype,
         precision=precision,
     )
+    _check_batch_dims(query, key, value)
     custom_einsums = qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None
     dropout = dropout_rate > 0.0 and not deterministic
     if (
@@ -85,6 +110,7 @@ def attention_fn(
         or module is not None
         or custom_einsums
         or precision is not None
+        or _kernels_cannot_run(query, key, value, dtype) is not None
     ):
         linen_only = {}
         if force_fp32_for_softmax or custom_einsums:
@@ -112,14 +138,29 @@ def attention_fn(
     )
 
 
+def _shapes_4d(query, key, value, dtype):
+    """q, k, v as the [batch, length, heads, head_dim] arrays attend passes on: in
+    their common dtype (or dtype), the batch dims folded into one."""
+    dtype = jnp.result_type(query, key, value) if dtype is None else jnp.dtype(dtype)
+    batch = math.prod(query.shape[:-3])
+    return tuple(jax.ShapeDtypeStruct((batch, *x.shape[-3:]), dtype) for x in (query, key, value))
+
+
+def _kernels_cannot_run(query, key, value, dtype):
+    """Why jflash's kernels cannot take these q, k, v (e.g. complex dtypes, head dim
+    over 256), or None. Such calls go to Flax's function, not to jax.nn's: jax.nn
+    would drop the imaginary part of complex logits, for one."""
+    return _unsupported(*_shapes_4d(query, key, value, dtype), None, None, None, None, None, None)
+
+
 def attend(query, key, value, *, is_causal, local_window_size, implementation):
     """jflash.dot_product_attention on [batch..., length, heads, head_dim] arrays,
     q/k/v promoted to their common dtype first as Flax does."""
-    dtype = jnp.result_type(query, key, value)
-    batch_shape = query.shape[:-3]  # folded into one batch axis
+    _check_batch_dims(query, key, value)
+    batch_shape = query.shape[:-3]
     query, key, value = (
-        jnp.reshape(x.astype(dtype), (math.prod(batch_shape), *x.shape[-3:]))
-        for x in (query, key, value)
+        jnp.reshape(jnp.asarray(x, s.dtype), s.shape)
+        for x, s in zip((query, key, value), _shapes_4d(query, key, value, None), strict=True)
     )
     out = dot_product_attention(
         query,

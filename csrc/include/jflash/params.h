@@ -57,7 +57,9 @@ struct BwdParams : FwdParams {
   void* dq;
   void* dk;
   void* dv;
-  float* dq_accum;  // float32 scratch, [batch, num_heads, seqlen_q, head_dim]
+  // float32 scratch of the CUDA kernels, [batch, num_heads, seqlen_q, head_dim];
+  // null on CPU, whose kernels do not use it.
+  float* dq_accum;
   float* delta;     // float32 scratch, rowsum(dout * out) - dlse, [batch, num_heads, seqlen_q]
 
   int64_t dout_batch_stride, dout_row_stride, dout_head_stride;

@@ -1,0 +1,102 @@
+// The backward's small kernels around the main one, shared by the sm80 and the
+// Hopper backward: delta = rowsum(dO * O) - dlse before it, and the float32 dQ
+// accumulator scaled and converted after it. Both are memory-bound
+// grid-stride loops.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+
+#include "cuda/launch.h"
+#include "cuda/utils.h"
+#include "jflash/params.h"
+
+namespace jflash::cuda {
+
+using namespace cute;
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// delta = rowsum(dO * O) - dlse, one warp per (batch, head, query row), in the
+// row order of delta. head_dim / 8 lanes each read 16 bytes of dO and O.
+template <typename Element, int kHeadDim>
+__global__ void flash_bwd_delta_kernel(const __grid_constant__ BwdParams params) {
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kWarpsPerBlock = 8;
+  const int lane = threadIdx.x % 32;
+  const int64_t num_rows = int64_t{params.batch} * params.num_heads * params.seqlen_q;
+  for (int64_t r = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32; r < num_rows;
+       r += int64_t{gridDim.x} * kWarpsPerBlock) {
+    const int64_t row = r % params.seqlen_q;
+    const int64_t head = (r / params.seqlen_q) % params.num_heads;
+    const int64_t batch = r / (int64_t{params.seqlen_q} * params.num_heads);
+    const Element* o = static_cast<const Element*>(params.out) + batch * params.out_batch_stride +
+                       row * params.out_row_stride + head * params.out_head_stride;
+    const Element* d_o = static_cast<const Element*>(params.dout) +
+                         batch * params.dout_batch_stride + row * params.dout_row_stride +
+                         head * params.dout_head_stride;
+    float dot = 0.f;
+    for (int c = lane; c < kChunks; c += 32) {
+      const uint4 o_chunk = *reinterpret_cast<const uint4*>(o + c * 8);
+      const uint4 do_chunk = *reinterpret_cast<const uint4*>(d_o + c * 8);
+      const Element* o8 = reinterpret_cast<const Element*>(&o_chunk);
+      const Element* do8 = reinterpret_cast<const Element*>(&do_chunk);
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) dot += float(o8[e]) * float(do8[e]);
+    }
+    CUTE_UNROLL
+    for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffff, dot, offset);
+    if (lane == 0) params.delta[r] = dot - params.dlse[r];
+  }
+}
+
+// dq[b, i, h, :] = softmax_scale * dq_accum[b, h, i, :], four values per thread.
+template <typename Element>
+__global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams params) {
+  const int64_t num_chunks =
+      int64_t{params.batch} * params.num_heads * params.seqlen_q * params.head_dim / 4;
+  const int chunks_per_row = params.head_dim / 4;
+  for (int64_t c = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; c < num_chunks;
+       c += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = c / chunks_per_row;  // (batch, head, row) in dq_accum order
+    const int col = int(c % chunks_per_row) * 4;
+    const int64_t row = r % params.seqlen_q;
+    const int64_t head = (r / params.seqlen_q) % params.num_heads;
+    const int64_t batch = r / (int64_t{params.seqlen_q} * params.num_heads);
+    const float4 acc = reinterpret_cast<const float4*>(params.dq_accum)[c];
+    const float s = params.softmax_scale;
+    Element* dst = static_cast<Element*>(params.dq) + batch * params.dq_batch_stride +
+                   row * params.dq_row_stride + head * params.dq_head_stride + col;
+    uint2 packed;
+    packed.x = pack_pair(Element(acc.x * s), Element(acc.y * s));
+    packed.y = pack_pair(Element(acc.z * s), Element(acc.w * s));
+    *reinterpret_cast<uint2*>(dst) = packed;
+  }
+}
+
+// Before the main kernel: dq_accum zeroed (the main kernels add into it) and
+// delta computed. Grid-stride kernels: a few waves of CTAs saturate bandwidth.
+template <typename Element, int kHeadDim>
+cudaError_t launch_bwd_preprocess(const BwdParams& params, const LaunchContext& ctx) {
+  const int64_t rows = int64_t{params.batch} * params.num_heads * params.seqlen_q;
+  if (rows == 0) return cudaSuccess;
+  if (cudaError_t err =
+          cudaMemsetAsync(params.dq_accum, 0, rows * kHeadDim * sizeof(float), ctx.stream);
+      err != cudaSuccess) {
+    return err;
+  }
+  flash_bwd_delta_kernel<Element, kHeadDim><<<ctx.sm_count * 8, 256, 0, ctx.stream>>>(params);
+  return cudaGetLastError();
+}
+
+// After the main kernel: dq = softmax_scale * dq_accum in the input dtype.
+template <typename Element>
+cudaError_t launch_bwd_postprocess(const BwdParams& params, const LaunchContext& ctx) {
+  const int64_t rows = int64_t{params.batch} * params.num_heads * params.seqlen_q;
+  if (rows == 0) return cudaSuccess;
+  flash_bwd_convert_dq_kernel<Element><<<ctx.sm_count * 8, 256, 0, ctx.stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace jflash::cuda

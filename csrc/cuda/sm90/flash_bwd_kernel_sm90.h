@@ -1,0 +1,578 @@
+// Hopper backward (sm90a): dq, dk, dv of the forward, recomputing P from lse,
+// with TMA loads, wgmma products and warp specialization (FlashAttention-3's
+// design, section 3 of its paper; our own code).
+//
+// One CTA per (key block, kv head, batch). It keeps its block_n keys' K and V
+// tiles and their dK, dV accumulators on chip, and walks every (query head of
+// the GQA group, query block) pair whose rows the band lets see the keys:
+//
+//   S^T  = K Q^T                    (wgmma, both from shared memory)
+//   dP^T = V dO^T
+//   P^T  = exp2(S^T * scale_log2 - lse_log2)          (registers)
+//   dV  += P^T dO                   (wgmma, P^T from registers)
+//   dS^T = P^T * (dP^T - delta)
+//   dK  += dS^T Q                   (wgmma, dS^T from registers)
+//   dQ   = dS K                     (wgmma, dS from shared memory), added into
+//                                    the float32 dq_accum by a TMA reduce-add
+//
+// Computing S^T and dP^T (keys along M) rather than S and dP leaves P^T and
+// dS^T in the accumulator layout that is the register A operand of the dV and
+// dK products, so only dS goes through shared memory (for dQ, whose M is the
+// query block).
+//
+// Roles (warpgroups of 128 threads):
+//   warpgroup 0, the producer: one thread loads K and V once, then each step's
+//     Q and dO tiles into a ring of q_stages buffers, each guarded by a "full"
+//     mbarrier (TMA bytes landed) and an "empty" one (every consumer warp is
+//     done reading it). It gives most of its registers away (setmaxnreg).
+//   warpgroups 1..: the consumers, 64 keys each (S^T, dP^T, dV, dK rows).
+//     The dQ product needs all of dS: each consumer writes its dS^T rows into
+//     shared memory, a named barrier joins them, and consumer w computes dQ's
+//     head-dim columns [w, w + 1) * head_dim / consumers.
+//
+// Before the main kernel, delta = rowsum(dO * O) - dlse and dq_accum = 0
+// (flash_bwd_preprocess.h); after it, dq = softmax_scale * dq_accum.
+//
+// Masking: the band decides which query blocks a key block visits (block
+// ranges of jflash/mask.h), and only tiles the band cuts, or the last key
+// block, are masked per element. Rows past seqlen_q arrive as zeros (TMA's
+// out-of-bounds fill) and get lse = +inf, so P = 0 there.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+
+#include "cuda/flash_bwd_preprocess.h"
+#include "cuda/launch.h"
+#include "cuda/sm90/wgmma_utils.h"
+#include "cuda/tile_sizes.h"
+#include "cuda/utils.h"
+#include "jflash/params.h"
+
+namespace jflash::cuda::sm90 {
+
+using namespace cute;
+
+template <typename Element_, int kHeadDim_>
+struct BwdTraitsSm90 {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr Sm90BwdTile kTile = sm90_bwd_tile(kHeadDim);
+  static_assert(kTile.block_m > 0, "no sm90 backward tile for this head dim");
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kStages = kTile.q_stages;
+  static constexpr int kConsumerWarpgroups = kBlockN / 64;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kNThreads = 128 + kConsumerThreads;
+  // setmaxnreg: 24 * 128 + 240 * 256 <= 64K registers of the SM.
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static_assert(kConsumerWarpgroups == 2, "the register budget assumes two consumers");
+
+  // Consumer warpgroups along M (keys) for S^T, dP^T, dV, dK; along N (head
+  // dim) for dQ.
+  using AlongM = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
+  using AlongN = Layout<Shape<_1, Int<kConsumerWarpgroups>, _1>>;
+  // S^T = K Q^T, dP^T = V dO^T: M = block_n, N = block_m, K = head_dim; both K-major.
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
+      AlongM{}));
+  // dV += P^T dO, dK += dS^T Q: M = block_n, N = head_dim, K = block_m; A from
+  // registers, B (dO, Q as head_dim x block_m) MN-major: head_dim is contiguous.
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      AlongM{}));
+  // dQ = dS K: M = block_m, N = head_dim, K = block_n; dS stored with the
+  // query rows contiguous and K read as head_dim x block_n: both MN-major.
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<kBlockM>, Int<kHeadDim / kConsumerWarpgroups>, Int<kBlockN>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      AlongN{}));
+
+  // 128-byte swizzled layouts that both TMA and wgmma understand.
+  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                             Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // dS (block_m x block_n), query rows contiguous, as the stmatrix of dS^T
+  // from its accumulator layout writes it; two buffers, so that one consumer
+  // may write the next step's dS while the other still reads this one.
+  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                              Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  // Transposed views of the same memory (element (d, m) of Q^T is (m, d) of Q).
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
+                                 Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{},
+      make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{},
+                                  Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
+  // stmatrix of a consumer's dS^T accumulator rows into the dS buffer.
+  using SmemCopydS = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{},
+                                                TiledMmaSdP{}));
+
+  // Each consumer's dQ tile (block_m x head_dim / consumers floats) goes
+  // through shared memory to a TMA reduce-add into dq_accum: the tensor-memory
+  // unit does the float32 additions in L2 asynchronously, in place of 8-byte
+  // atomics from every consumer thread.
+  static constexpr int kDqCols = kHeadDim / kConsumerWarpgroups;
+  using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{},
+                                              Shape<Int<kBlockM>, Int<kDqCols>,
+                                                    Int<kConsumerWarpgroups>>{}));
+
+  // Global views the TMA descriptors are built from, [seq, head_dim, heads, batch].
+  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  template <typename SmemLayout, typename TileShape>
+  using Tma = decltype(make_tma_atom(
+      SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}),
+      SmemLayout{}, TileShape{}));
+  using TmaQ = Tma<decltype(take<0, 2>(SmemLayoutQ{})), Shape<Int<kBlockM>, Int<kHeadDim>>>;
+  using TmaK = Tma<SmemLayoutK, Shape<Int<kBlockN>, Int<kHeadDim>>>;
+  using TmadQ = decltype(make_tma_atom(
+      SM90_TMA_REDUCE_ADD{},
+      make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), GmemShape{}, GmemStride{}),
+      take<0, 2>(SmemLayoutdQ{}), Shape<Int<kBlockM>, Int<kDqCols>>{}));
+
+  CUTE_HOST_DEVICE static auto shape_q(const BwdParams& p) {
+    return make_shape(p.seqlen_q, int32_t{kHeadDim}, p.num_heads, p.batch);
+  }
+  CUTE_HOST_DEVICE static auto shape_k(const BwdParams& p) {
+    return make_shape(p.seqlen_k, int32_t{kHeadDim}, p.num_heads_kv, p.batch);
+  }
+
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKBytes = kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    // 1024-byte alignment: the period of the 128-byte swizzle.
+    alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutK>> v;
+    alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> dout;
+    alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutdS>> ds;
+    alignas(1024) cute::ArrayEngine<float, cosize_v<SmemLayoutdQ>> dq;
+    alignas(8) uint64_t kv_full;
+    uint64_t qdo_full[kStages];
+    uint64_t qdo_empty[kStages];
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 227 * 1024);
+};
+
+// The kernel's parameters: the plain BwdParams plus the TMA descriptors built
+// from them on the host (passed by value, as __grid_constant__).
+template <typename Traits>
+struct BwdArgsSm90 {
+  BwdParams params;
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaQ tma_dout;
+  typename Traits::TmaK tma_k;
+  typename Traits::TmaK tma_v;
+  typename Traits::TmadQ tma_dq;  // reduce-add into dq_accum, [seqlen_q, head_dim, heads, batch]
+};
+
+// The query blocks one key block visits, and the (query head, query block)
+// of each step: every query head of the kv head's group, each over the rows
+// the band lets see these keys.
+template <int kBlockM, int kBlockN, bool kBanded>
+struct KeyBlockSteps {
+  int m_block_begin;
+  int num_m_blocks;
+  int num_steps;
+  int first_head;
+  int step_shift;
+
+  __device__ __forceinline__ KeyBlockSteps(const BwdParams& params, int n_block, int kv_head) {
+    const int key0 = n_block * kBlockN;
+    const int key_end = min(key0 + kBlockN, params.seqlen_k);
+    int row_lo = 0;
+    int row_hi = params.seqlen_q;
+    if constexpr (kBanded) {
+      row_lo = static_cast<int>(params.mask.row_begin(key0));
+      row_hi = static_cast<int>(params.mask.row_end(key_end, params.seqlen_q));
+    }
+    m_block_begin = row_lo / kBlockM;
+    num_m_blocks = row_lo < row_hi ? ceil_div(row_hi, kBlockM) - m_block_begin : 0;
+    num_steps = num_m_blocks * params.heads_per_kv;
+    first_head = kv_head * params.heads_per_kv;
+    // Key blocks start at different query blocks, so that the CTAs of one head
+    // do not all add into the same dQ rows at the same time.
+    step_shift = num_steps > 0 ? n_block % num_steps : 0;
+  }
+  // (query head, query block) of step i.
+  __device__ __forceinline__ void unit(int step, int& head, int& m_block) const {
+    int u = step + step_shift;
+    u = u >= num_steps ? u - num_steps : u;
+    head = first_head + u / num_m_blocks;
+    m_block = m_block_begin + u % num_m_blocks;
+  }
+};
+
+template <typename Traits, bool kBanded>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_bwd_sm90_kernel(const __grid_constant__ BwdArgsSm90<Traits> args) {
+  using Element = typename Traits::Element;
+  using SharedStorage = typename Traits::SharedStorage;
+  using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBarrier = cutlass::arch::ClusterBarrier;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+
+  const BwdParams& params = args.params;
+  extern __shared__ __align__(1024) char smem_raw[];
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  const int n_block = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const KeyBlockSteps<kBlockM, kBlockN, kBanded> steps(params, n_block, kv_head);
+
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    FullBarrier::init(&smem.kv_full, 1);
+    CUTE_UNROLL
+    for (int s = 0; s < kStages; ++s) {
+      FullBarrier::init(&smem.qdo_full[s], 1);
+      EmptyBarrier::init(&smem.qdo_empty[s], Traits::kConsumerThreads / 32);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutK{});
+
+  if (warpgroup == 0) {
+    // ---------------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    if (threadIdx.x / 32 != 0 || !cute::elect_one_sync() || steps.num_steps == 0) return;
+
+    Tensor mQ = args.tma_q.get_tma_tensor(Traits::shape_q(params));
+    Tensor mdO = args.tma_dout.get_tma_tensor(Traits::shape_q(params));
+    Tensor mK = args.tma_k.get_tma_tensor(Traits::shape_k(params));
+    Tensor mV = args.tma_v.get_tma_tensor(Traits::shape_k(params));
+    auto kv_tile = [&](auto& m) {
+      return local_tile(m(_, _, kv_head, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                        make_coord(n_block, 0));
+    };
+    auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                      group_modes<0, 2>(kv_tile(mK)));
+    auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                      group_modes<0, 2>(kv_tile(mV)));
+    FullBarrier::arrive_and_expect_tx(&smem.kv_full, 2 * Traits::kKBytes);
+    copy(args.tma_k.with(smem.kv_full), tKgK, tKsK);
+    copy(args.tma_v.with(smem.kv_full), tVgV, tVsV);
+
+    for (int step = 0; step < steps.num_steps; ++step) {
+      int head, m_block;
+      steps.unit(step, head, m_block);
+      auto q_tile = [&](auto& m) {
+        return local_tile(m(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                          make_coord(m_block, 0));
+      };
+      auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{},
+                                        group_modes<0, 2>(sQ), group_modes<0, 2>(q_tile(mQ)));
+      auto [tdOgdO, tdOsdO] = tma_partition(args.tma_dout, Int<0>{}, Layout<_1>{},
+                                            group_modes<0, 2>(sdO), group_modes<0, 2>(q_tile(mdO)));
+      const int stage = step % kStages;
+      // A fresh mbarrier counts as having completed the phase before phase 0,
+      // so the first wait on each "empty" barrier passes at once.
+      EmptyBarrier::wait(&smem.qdo_empty[stage], ((step / kStages) & 1) ^ 1);
+      FullBarrier::arrive_and_expect_tx(&smem.qdo_full[stage], 2 * Traits::kQBytes);
+      copy(args.tma_q.with(smem.qdo_full[stage]), tQgQ, tQsQ(_, stage));
+      copy(args.tma_dout.with(smem.qdo_full[stage]), tdOgdO, tdOsdO(_, stage));
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+  const int tidx = threadIdx.x - 128;  // 0 .. kConsumerThreads - 1
+
+  Tensor sQt = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQt{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutKt{});
+  Tensor sdS = make_tensor(make_smem_ptr(smem.ds.begin()), typename Traits::SmemLayoutdS{});
+  Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.begin()), typename Traits::SmemLayoutdSt{});
+
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmadKV mma_dkv;
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
+  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
+  auto thr_dq = mma_dq.get_thread_slice(tidx);
+  // Shared-memory descriptors of the operands; the ones with a last mode of
+  // stages (Q, dO) or buffers (dS) are indexed by it.
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);      // (MMA, MMA_M, MMA_K)
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);      // (MMA, MMA_N, MMA_K, stage)
+  Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
+  Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);    // (MMA, MMA_M, MMA_K, buffer)
+  Tensor tdQrK = thr_dq.partition_fragment_B(sKt);     // (MMA, MMA_N, MMA_K)
+
+  typename Traits::SmemCopydS smem_copy_ds;
+  auto thr_copy_ds = smem_copy_ds.get_thread_slice(tidx);
+  Tensor tdSsdS = thr_copy_ds.partition_D(sdSt);  // (CPY, CPY_M, CPY_N, buffer)
+
+  // This consumer's dQ staging buffer, and its slice of the (block_m x
+  // head_dim) dQ tile as the dQ product's accumulator partition sees it.
+  const int consumer = tidx / 128;
+  Tensor sdQ = make_tensor(make_smem_ptr(smem.dq.begin()), typename Traits::SmemLayoutdQ{});
+  Tensor tdQsdQ = thr_dq.partition_C(group_modes<1, 3>(sdQ));  // as acc_dq
+  Tensor mdQ = args.tma_dq.get_tma_tensor(Traits::shape_q(params));
+  const bool dq_leader = tidx % 128 == 0;
+
+  // dK and dV of this consumer's 64 keys, summed over every step.
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  // (key, query row) of each S^T accumulator element, as (rows, cols).
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+  Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+  constexpr int kRows = decltype(size<0>(cS_rc))::value;  // keys this thread holds (2)
+  constexpr int kCols = decltype(size<1>(cS_rc))::value;  // query rows it holds
+
+  const int key0 = n_block * kBlockN;
+  // The band's diagonal bounds fit in int: they are clamped to [-seqlen_q, seqlen_k].
+  const int diag_lo = static_cast<int>(params.mask.diag_lo);
+  const int diag_hi = static_cast<int>(params.mask.diag_hi);
+  const bool warp_leader = tidx % 32 == 0;
+  // Named barriers (CUTLASS numbering, past its reserved ones): both
+  // consumers' dS^T rows are in shared memory; per consumer, its dQ buffer.
+  constexpr uint32_t kDsBarrier = 1;
+  constexpr uint32_t kDqBarrier = 2;  // + consumer
+  static_assert(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount + kDqBarrier +
+                    Traits::kConsumerWarpgroups <=
+                cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
+
+  if (steps.num_steps > 0) FullBarrier::wait(&smem.kv_full, 0);
+  for (int step = 0; step < steps.num_steps; ++step) {
+    int head, m_block;
+    steps.unit(step, head, m_block);
+    const int row0 = m_block * kBlockM;
+    const int stage = step % kStages;
+    const int buffer = step % 2;
+
+    // lse (log2 domain) and delta of this thread's query rows. Rows past the
+    // end and rows that saw no key in the forward (lse = -inf) get lse = +inf,
+    // so that P = 0 there.
+    const int64_t row_offset = (int64_t{batch} * params.num_heads + head) * params.seqlen_q;
+    float lse_log2[kCols];
+    float delta[kCols];
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      const int row = row0 + get<1>(cS_rc(0, c));
+      const bool inside = row < params.seqlen_q;
+      const float lse = inside ? params.lse[row_offset + row] : -INFINITY;
+      lse_log2[c] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+      delta[c] = inside ? params.delta[row_offset + row] : 0.f;
+    }
+
+    // S^T = K Q^T and dP^T = V dO^T   (block_n x block_m)
+    FullBarrier::wait(&smem.qdo_full[stage], (step / kStages) & 1);
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    wgmma_issue</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
+    wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), acc_dp);
+
+    // P^T = exp2(S^T * scale_log2 - lse_log2); keys outside the band or past
+    // the last key get P = 0.
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(acc_s);
+    Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+    bool needs_mask = key0 + kBlockN > params.seqlen_k;
+    if constexpr (kBanded) {
+      needs_mask = needs_mask || !params.mask.tile_all_visible(
+                                     row0, min(row0 + kBlockM, params.seqlen_q), key0, key0 + kBlockN);
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        float p = fast_exp2(fmaf(s_rc(r, c), params.softmax_scale_log2, -lse_log2[c]));
+        if (needs_mask) {
+          const int key = key0 + get<0>(cS_rc(r, c));
+          const int row = row0 + get<1>(cS_rc(r, c));
+          bool visible = key < params.seqlen_k;
+          if constexpr (kBanded) visible = visible && key - row >= diag_lo && key - row <= diag_hi;
+          if (!visible) p = 0.f;
+        }
+        s_rc(r, c) = p;
+      }
+    }
+    // dV += P^T dO   (block_n x head_dim), issued while dS^T is computed.
+    Tensor tdVrP = make_tensor<Element>(acc_as_a_operand(acc_s.layout()));
+    {
+      Tensor p = convert_fragment<Element>(acc_s);
+      Tensor dst = make_tensor(tdVrP.data(), acc_s.layout());
+      CUTE_UNROLL
+      for (int i = 0; i < size(p); ++i) dst(i) = p(i);
+    }
+    warpgroup_fence_operand(tdVrP);
+    wgmma_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage), acc_dv);
+
+    // dS^T = P^T * (dP^T - delta)
+    warpgroup_wait<1>();  // dP^T done; dV may still run
+    warpgroup_fence_operand(acc_dp);
+    Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - delta[c]);
+    }
+    Tensor ds = convert_fragment<Element>(acc_dp);
+    // dS^T rows into shared memory for the dQ product, then dK += dS^T Q.
+    copy(smem_copy_ds, thr_copy_ds.retile_S(ds), tdSsdS(_, _, _, buffer));
+    Tensor tdKrdS = make_tensor<Element>(acc_as_a_operand(acc_dp.layout()));
+    {
+      Tensor dst = make_tensor(tdKrdS.data(), acc_dp.layout());
+      CUTE_UNROLL
+      for (int i = 0; i < size(ds); ++i) dst(i) = ds(i);
+    }
+    warpgroup_fence_operand(tdKrdS);
+    wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), acc_dk);
+
+    // dQ = dS K   (block_m x this consumer's head-dim columns), once both
+    // consumers' dS^T rows are visible to the tensor cores.
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsBarrier);
+    Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrK, acc_dq);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_dv);
+    warpgroup_fence_operand(acc_dk);
+    warpgroup_fence_operand(acc_dq);
+    // Q and dO of this stage are read; the other consumer may still read this
+    // dS buffer, which is written again two steps later, past its next barrier.
+    if (warp_leader) EmptyBarrier::arrive(&smem.qdo_empty[stage]);
+
+    // dQ_accum += dS K (scaled in the convert kernel): registers -> this
+    // consumer's buffer -> one TMA reduce-add, which clips rows past seqlen_q.
+    // The buffer is free again once the previous step's reduce has read it.
+    if (dq_leader) tma_store_wait<0>();
+    cutlass::arch::NamedBarrier::sync(128, kDqBarrier + consumer);
+    copy(acc_dq, tdQsdQ);
+    tma_store_fence();  // the buffer's generic-proxy writes, visible to TMA
+    cutlass::arch::NamedBarrier::sync(128, kDqBarrier + consumer);
+    if (dq_leader) {
+      Tensor gdQ = local_tile(mdQ(_, _, head, batch),
+                              Shape<Int<kBlockM>, Int<Traits::kDqCols>>{},
+                              make_coord(m_block, consumer));
+      auto [tdQgdQ_tma, tdQsdQ_tma] =
+          tma_partition(args.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQ(_, _, consumer)),
+                        group_modes<0, 2>(gdQ));
+      copy(args.tma_dq, tdQsdQ_tma, tdQgdQ_tma);
+      tma_store_arrive();
+    }
+  }
+  // Shared memory must outlive the last reduce's reads.
+  if (dq_leader) tma_store_wait<0>();
+
+  // dK = softmax_scale * sum dS^T Q; both written once, keys past the end skipped.
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
+  Tensor dk = convert_fragment<Element>(acc_dk);
+  Tensor dv = convert_fragment<Element>(acc_dv);
+  Tensor cdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Element* dk_ptr = static_cast<Element*>(params.dk) + batch * params.dk_batch_stride +
+                    kv_head * params.dk_head_stride;
+  Element* dv_ptr = static_cast<Element*>(params.dv) + batch * params.dv_batch_stride +
+                    kv_head * params.dv_head_stride;
+  CUTE_UNROLL
+  for (int i = 0; i < size(dk); i += 2) {
+    const int key = key0 + get<0>(cdKV(i));
+    if (key < params.seqlen_k) {
+      const int col = get<1>(cdKV(i));
+      *reinterpret_cast<uint32_t*>(dk_ptr + int64_t{key} * params.dk_row_stride + col) =
+          pack_pair(dk(i), dk(i + 1));
+      *reinterpret_cast<uint32_t*>(dv_ptr + int64_t{key} * params.dv_row_stride + col) =
+          pack_pair(dv(i), dv(i + 1));
+    }
+  }
+}
+
+// TMA reads the four input tiles: 16-byte aligned bases and strides, and
+// non-empty sequences (seqlen_q == 0 still needs dK = dV = 0: the sm80
+// backward writes them).
+inline bool tma_compatible_bwd(const BwdParams& p) {
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  auto stride_ok = [](int64_t stride) { return (stride * 2) % 16 == 0; };
+  return tma_compatible(p) && aligned(p.dout) && stride_ok(p.dout_row_stride) &&
+         stride_ok(p.dout_head_stride) && stride_ok(p.dout_batch_stride);
+}
+
+template <typename Element, int kHeadDim, bool kBanded>
+cudaError_t run_flash_bwd_sm90(const BwdParams& params, const LaunchContext& ctx) {
+  using Traits = BwdTraitsSm90<Element, kHeadDim>;
+  if (cudaError_t err = launch_bwd_preprocess<Element, kHeadDim>(params, ctx); err != cudaSuccess) {
+    return err;
+  }
+  auto tma = [](const void* ptr, auto shape, int64_t row, int64_t head, int64_t batch,
+                auto smem_layout, auto tile) {
+    return make_tma_atom(
+        SM90_TMA_LOAD{},
+        make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), shape,
+                    make_stride(row, _1{}, head, batch)),
+        smem_layout, tile);
+  };
+  const auto q_tile = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{};
+  const auto k_tile = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{};
+  const auto q_layout = take<0, 2>(typename Traits::SmemLayoutQ{});
+  const auto k_layout = typename Traits::SmemLayoutK{};
+  const BwdArgsSm90<Traits> args{
+      params,
+      tma(params.q, Traits::shape_q(params), params.q_row_stride, params.q_head_stride,
+          params.q_batch_stride, q_layout, q_tile),
+      tma(params.dout, Traits::shape_q(params), params.dout_row_stride, params.dout_head_stride,
+          params.dout_batch_stride, q_layout, q_tile),
+      tma(params.k, Traits::shape_k(params), params.k_row_stride, params.k_head_stride,
+          params.k_batch_stride, k_layout, k_tile),
+      tma(params.v, Traits::shape_k(params), params.v_row_stride, params.v_head_stride,
+          params.v_batch_stride, k_layout, k_tile),
+      // dq_accum is [batch, heads, seqlen_q, head_dim], dense.
+      make_tma_atom(SM90_TMA_REDUCE_ADD{},
+                    make_tensor(make_gmem_ptr(params.dq_accum), Traits::shape_q(params),
+                                make_stride(int64_t{kHeadDim}, _1{},
+                                            int64_t{params.seqlen_q} * kHeadDim,
+                                            int64_t{params.num_heads} * params.seqlen_q * kHeadDim)),
+                    take<0, 2>(typename Traits::SmemLayoutdQ{}),
+                    Shape<Int<Traits::kBlockM>, Int<Traits::kDqCols>>{}),
+  };
+  auto kernel = &flash_bwd_sm90_kernel<Traits, kBanded>;
+  constexpr int kSmemBytes = Traits::kSmemBytes;
+  if (cudaError_t err =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+      err != cudaSuccess) {
+    return err;
+  }
+  // Key blocks along x: under a causal band the first ones visit the most
+  // query blocks and start first.
+  const dim3 grid(ceil_div(params.seqlen_k, Traits::kBlockN), params.num_heads_kv, params.batch);
+  kernel<<<grid, Traits::kNThreads, kSmemBytes, ctx.stream>>>(args);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  return launch_bwd_postprocess<Element>(params, ctx);
+}
+
+}  // namespace jflash::cuda::sm90

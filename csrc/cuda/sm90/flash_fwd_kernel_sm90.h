@@ -1,0 +1,173 @@
+// Hopper forward (sm90a): out, lse <- softmax(scale * Q K^T) V with TMA loads,
+// wgmma products and warp specialization. Persistent: one CTA per SM walks a
+// static sequence of work units (one query block of a head, or under a band a
+// pair of them; tile_scheduler_sm90.h says why).
+//
+// Roles (warpgroups of 128 threads):
+//   warpgroup 0, the producer: one thread issues TMA copies: each tile's Q
+//     (once its buffer is free again: the q_empty mbarrier), then K and V
+//     tiles into two rings of shared-memory buffers (kKStages, kVStages)
+//     that run on across tiles, each buffer guarded by a "full" mbarrier (TMA
+//     bytes landed) and an "empty" mbarrier (every consumer warp is done
+//     reading it). It gives
+//     most of its registers away (setmaxnreg), and loads the next tile while
+//     the consumers finish the current one; in long units it also prefetches
+//     the next unit's first tiles into L2.
+//   warpgroups 1.., the consumers: 64 query rows each; per key tile
+//       S = Q K^T                 (wgmma, K from shared memory, Q too or, where
+//                                  the tile table says so, from registers)
+//       online softmax of S       (registers; exp2 with the scale folded in;
+//                                  where the tile table says stale_max,
+//                                  against the running max first)
+//       O = O * correction + P V  (wgmma, P from registers, V from shared memory)
+//     and at the end of a tile O / rowsum goes through shared memory to a
+//     TMA store (head dims 64, 128) while the next tile starts.
+//
+// Two overlaps keep the tensor cores busy while the (slower) exp unit works:
+//   intra-warpgroup: step j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1}
+//     together, then runs softmax(S_j) while the P V product is still running;
+//   ping-pong (kPingPong, two consumer warpgroups): a pair of named barriers
+//     lets the consumers issue their products in turn, so one warpgroup's
+//     softmax runs under the other's products. With three consumers (head dim
+//     64) the warp schedulers interleave them without it.
+//
+// Masking follows the same policy as the sm80 kernels (jflash/mask.h): the band
+// decides the key-tile range, and only tiles it cuts (or the sequence end) are
+// masked per element. Rows and keys past the sequence ends arrive as zeros
+// from TMA's out-of-bounds fill; their scores are masked and their rows never
+// stored.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "cuda/launch.h"
+#include "cuda/sm90/epilogue_fwd_sm90.h"
+#include "cuda/sm90/mainloop_fwd_sm90.h"
+#include "cuda/sm90/softmax_sm90.h"
+#include "cuda/sm90/tile_scheduler_sm90.h"
+#include "cuda/sm90/traits_fwd_sm90.h"
+#include "cuda/tile_sizes.h"
+#include "jflash/params.h"
+
+namespace jflash::cuda::sm90 {
+
+using namespace cute;
+
+template <typename Traits, bool kBanded>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_fwd_sm90_kernel(const __grid_constant__ FwdArgsSm90<Traits> args) {
+  using Scheduler = TileSchedulerSm90<Traits::kBlockM, Traits::kBlockN, kBanded>;
+  using Producer = FwdProducerSm90<Traits, kBanded>;
+  using Mainloop = FwdMainloopSm90<Traits, kBanded>;
+  using Epilogue = FwdEpilogueSm90<Traits>;
+  const FwdParams& params = args.params;
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+  const Scheduler scheduler(params);
+
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) Producer::init_barriers(smem);
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // The producer gives most of its registers to the consumers; one thread
+    // issues the copies.
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    if (threadIdx.x / 32 != 0 || !cute::elect_one_sync()) return;
+    Producer{args, smem, scheduler}.run();
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+  const int tidx = threadIdx.x - 128;  // 0 .. kConsumerThreads - 1
+  const int consumer = warpgroup - 1;  // which 64 rows of the tile
+  Mainloop mainloop(params, smem, tidx, consumer);
+  Tensor acc_o = partition_fragment_C(typename Traits::TiledMmaPV{},
+                                      Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{});
+  typename Mainloop::Softmax softmax(params.softmax_scale_log2);
+  Epilogue epilogue(args, smem, tidx, consumer);
+  for (int t = scheduler.first_slot(); t < scheduler.num_slots(); t = scheduler.next_slot(t)) {
+    const auto tile = scheduler.tile_at(t);
+    if (!tile.valid) continue;
+    mainloop.mma(tile, acc_o, softmax);
+    epilogue.store(tile, acc_o, softmax);
+  }
+  epilogue.finish();
+}
+
+template <typename Traits, bool kBanded>
+cudaError_t launch_flash_fwd_sm90(const FwdParams& params, const LaunchContext& ctx) {
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  auto gmem = [](const void* ptr, auto shape, auto stride) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), shape, stride);
+  };
+  const auto shape_q = Traits::shape_q(params);
+  const auto shape_k = Traits::shape_k(params);
+  const auto shape_vt = Traits::shape_vt(params);
+  FwdArgsSm90<Traits> args{
+      params,
+      make_tma_atom(SM90_TMA_LOAD{},
+                    gmem(params.q, shape_q,
+                         make_stride(params.q_row_stride, _1{}, params.q_head_stride,
+                                     params.q_batch_stride)),
+                    typename Traits::SmemLayoutQ{}, Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}),
+      make_tma_atom(SM90_TMA_LOAD{},
+                    gmem(params.k, shape_k,
+                         make_stride(params.k_row_stride, _1{}, params.k_head_stride,
+                                     params.k_batch_stride)),
+                    take<0, 2>(typename Traits::SmemLayoutK{}),
+                    Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}),
+      make_tma_atom(SM90_TMA_LOAD{},
+                    gmem(params.v, shape_vt,
+                         make_stride(_1{}, params.v_row_stride, params.v_head_stride,
+                                     params.v_batch_stride)),
+                    take<0, 2>(typename Traits::SmemLayoutVt{}),
+                    Shape<Int<kHeadDim>, Int<Traits::kBlockN>>{}),
+      {},  // the output's, below where the epilogue stores through shared memory
+  };
+  if constexpr (Traits::kSmemEpilogue) {
+    args.tma_o = make_tma_atom(
+        SM90_TMA_STORE{},
+        make_tensor(make_gmem_ptr(static_cast<Element*>(params.out)), shape_q,
+                    make_stride(params.out_row_stride, _1{}, params.out_head_stride,
+                                params.out_batch_stride)),
+        take<0, 2>(typename Traits::SmemLayoutO{}), Shape<_64, Int<kHeadDim>>{});
+  }
+  auto kernel = &flash_fwd_sm90_kernel<Traits, kBanded>;
+  constexpr int kSmemBytes = Traits::kSmemBytes;
+  if (cudaError_t err = cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+      err != cudaSuccess) {
+    return err;
+  }
+  const int64_t num_ctas =
+      TileSchedulerSm90<Traits::kBlockM, Traits::kBlockN, kBanded>::grid_size(params, ctx.sm_count);
+  if (num_ctas < 0) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(num_ctas));
+  kernel<<<grid, Traits::kNThreads, kSmemBytes, ctx.stream>>>(args);
+  return cudaGetLastError();
+}
+
+// The entry point of the registry: the head dim's tile, or under a band on
+// short rows the short-band tile where the head dim has one.
+template <typename Element, int kHeadDim, bool kBanded, bool kPingPong = true>
+cudaError_t run_flash_fwd_sm90(const FwdParams& params, const LaunchContext& ctx) {
+  if constexpr (kBanded && sm90_fwd_tile_short_band(kHeadDim).block_m > 0) {
+    using Short = FwdTraitsSm90<Element, kHeadDim, kPingPong, /*kShortBand=*/true>;
+    static_assert(Short::kSmemBytes <= FwdTraitsSm90<Element, kHeadDim, kPingPong>::kSmemBytes,
+                  "the registry reports the main tile's shared memory");
+    if (params.seqlen_q <= kSm90ShortBandMaxLen && params.seqlen_k <= kSm90ShortBandMaxLen) {
+      return launch_flash_fwd_sm90<Short, kBanded>(params, ctx);
+    }
+  }
+  return launch_flash_fwd_sm90<FwdTraitsSm90<Element, kHeadDim, kPingPong>, kBanded>(params, ctx);
+}
+
+}  // namespace jflash::cuda::sm90

@@ -1,0 +1,54 @@
+// Shared-memory buffers handed from a TMA producer to wgmma consumers on
+// Hopper: a single buffer (the forward's Q) or a ring of kStages buffers (its
+// K and V tiles) that runs on across tiles. Each buffer is guarded by two
+// mbarriers:
+//   full:  the producer's one arrival with the bytes it expects, completed
+//          when the TMA copies have landed;
+//   empty: one arrival per consumer warp, once the warp is done reading it.
+// Independent of any kernel's traits: the helpers take the barriers' addresses.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/config.hpp>
+#include <cutlass/arch/barrier.h>
+
+namespace jflash::cuda::sm90 {
+
+using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+using EmptyBarrier = cutlass::arch::ClusterBarrier;
+
+// Ring position of the i-th K/V tile: buffer and the mbarrier phase parity
+// that its n-th fill completes. A single buffer is a ring of one stage.
+template <int kStages>
+struct RingSlot {
+  int stage;
+  uint32_t phase;
+  __device__ __forceinline__ explicit RingSlot(int i) : stage(i % kStages), phase((i / kStages) & 1) {}
+};
+
+// One thread, before any use (then fence_barrier_init and a CTA barrier).
+CUTE_DEVICE void init_buffer_barriers(uint64_t* full, uint64_t* empty, uint32_t consumer_warps) {
+  FullBarrier::init(full, 1);
+  EmptyBarrier::init(empty, consumer_warps);
+}
+
+// Producer: waits until the consumers have freed the buffer of fill `phase`,
+// then arms its full barrier for `bytes` of TMA copies. A fresh mbarrier
+// counts as having completed the phase before phase 0, so the first wait on
+// each "empty" barrier passes at once.
+CUTE_DEVICE void producer_acquire(uint64_t* empty, uint64_t* full, uint32_t phase, uint32_t bytes) {
+  EmptyBarrier::wait(empty, phase ^ 1);
+  FullBarrier::arrive_and_expect_tx(full, bytes);
+}
+
+// Consumer: waits until fill `phase` of the buffer has landed.
+CUTE_DEVICE void consumer_wait(uint64_t* full, uint32_t phase) { FullBarrier::wait(full, phase); }
+
+// Consumer: one arrival per warp, after the wgmma wait that completes its
+// reads of the buffer (the wait is warp-synchronous, so lane 0 speaks for all).
+CUTE_DEVICE void consumer_release(uint64_t* empty, bool warp_leader) {
+  if (warp_leader) EmptyBarrier::arrive(empty);
+}
+
+}  // namespace jflash::cuda::sm90

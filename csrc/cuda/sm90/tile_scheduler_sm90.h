@@ -1,0 +1,133 @@
+// The Hopper forward's static persistent schedule: the host's grid size and
+// the device's sequence of tiles (query blocks of a head) per CTA.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+
+#include <cute/config.hpp>
+#include <cute/int_tuple.hpp>
+
+#include "jflash/params.h"
+
+namespace jflash::cuda::sm90 {
+
+// Persistent CTAs walk one static sequence of work units, CTA c taking units
+// c, c + gridDim.x, ...; units run head-major (query blocks fastest, then
+// head, then batch), so the CTAs running at one time share heads and their
+// K/V stay in L2.
+//   Unmasked: a unit is one query block; all take the same time.
+//   Banded: tiles differ in length (causal: later query blocks see more
+//     keys), so a unit is a pair of query blocks, the p-th longest and the
+//     p-th shortest of a head, and units take about the same time again.
+//     Measured on the way (H200, causal, head dim 128): one tile per unit
+//     gave 0.77x cuDNN at seq 16k, because a stride of gridDim.x over
+//     query-block-fastest tiles hands each CTA one residue class of blocks,
+//     all long or all short; longest-first across heads gave 0.93-0.94x.
+// Slot t is tile t % kTilesPerUnit of unit t / kTilesPerUnit.
+template <int kBlockM, int kBlockN, bool kBanded>
+class TileSchedulerSm90 {
+ public:
+  static constexpr int kTilesPerUnit = kBanded ? 2 : 1;
+
+  // Query blocks of a head, and work units per head.
+  CUTE_HOST_DEVICE static int num_m_blocks(const FwdParams& params) {
+    return cute::ceil_div(params.seqlen_q, kBlockM);
+  }
+  CUTE_HOST_DEVICE static int units_per_head(int num_m_blocks) {
+    return cute::ceil_div(num_m_blocks, int{kTilesPerUnit});
+  }
+
+  // ---------------------------------------------------------------- host
+  // Persistent: one CTA per SM (the shared memory allows no more), or fewer
+  // when there are fewer work units (pairs of query blocks under a band).
+  // -1 where the slots would overflow the device's int32 count.
+  static int64_t grid_size(const FwdParams& params, int sm_count) {
+    const int64_t units_per_head_ = units_per_head(num_m_blocks(params));
+    const int64_t num_units = units_per_head_ * params.num_heads * params.batch;
+    if (num_units * kTilesPerUnit > INT32_MAX) return -1;
+    int64_t num_ctas = std::min<int64_t>(num_units, sm_count);
+    if constexpr (kBanded) {
+      // CTA c runs units c + i * num_ctas, i.e. query-block pairs p = (c + i *
+      // num_ctas) mod units_per_head. Pairs differ in length when a head has an
+      // odd number of query blocks (the middle one runs alone) or a partial last
+      // block; with a common factor between num_ctas and units_per_head each CTA
+      // would see only some p (e.g. 132 CTAs, 2 pairs per head: even CTAs all
+      // long, odd all short). Coprime, every CTA cycles through all p, for the
+      // price of a few idle SMs (H200, head dim 64, seq 512, causal: 0.59x ->
+      // 0.76x cuDNN; 1024: 0.73x -> 0.77x; 2048: 0.81x -> 0.89x).
+      while (num_ctas > 1 && std::gcd(num_ctas, units_per_head_) != 1) --num_ctas;
+    }
+    return num_ctas;
+  }
+
+  // -------------------------------------------------------------- device
+  struct Tile {
+    bool valid;  // false for the unused second half of an odd head's middle unit
+    int m_block, head, batch;
+    int row_begin, row_end;      // query rows
+    int n_block_begin, n_tiles;  // key tiles the band lets these rows see
+  };
+
+  __device__ __forceinline__ explicit TileSchedulerSm90(const FwdParams& params)
+      : params_(params),
+        num_m_blocks_(num_m_blocks(params)),
+        units_per_head_(units_per_head(num_m_blocks_)),
+        num_slots_(units_per_head_ * kTilesPerUnit * params.num_heads * params.batch),
+        first_slot_(blockIdx.x * kTilesPerUnit) {}
+
+  __device__ __forceinline__ int num_slots() const { return num_slots_; }
+  __device__ __forceinline__ int first_slot() const { return first_slot_; }
+  // The slot after t for this CTA: the unit's next tile, else the first tile
+  // of its next unit.
+  __device__ __forceinline__ int next_slot(int t) const {
+    return t % kTilesPerUnit == kTilesPerUnit - 1 ? t + 1 + (gridDim.x - 1) * kTilesPerUnit
+                                                  : t + 1;
+  }
+
+  __device__ __forceinline__ Tile tile_at(int t) const {
+    Tile tile;
+    const int unit = t / kTilesPerUnit;
+    const int p = unit % units_per_head_;
+    tile.head = (unit / units_per_head_) % params_.num_heads;
+    tile.batch = unit / (units_per_head_ * params_.num_heads);
+    if constexpr (kBanded) {
+      const int longest = num_m_blocks_ - 1 - p;
+      tile.m_block = t % 2 == 0 ? longest : p;
+      tile.valid = t % 2 == 0 || p != longest;
+    } else {
+      tile.m_block = p;
+      tile.valid = true;
+    }
+    tile.row_begin = tile.m_block * kBlockM;
+    tile.row_end = min(tile.row_begin + kBlockM, params_.seqlen_q);
+    int key_begin = 0;
+    int key_end = params_.seqlen_k;
+    if constexpr (kBanded) {
+      key_begin = static_cast<int>(params_.mask.key_begin(tile.row_begin));
+      key_end = static_cast<int>(params_.mask.key_end(tile.row_end, params_.seqlen_k));
+    }
+    tile.n_block_begin = key_begin / kBlockN;
+    tile.n_tiles = key_begin < key_end ? cute::ceil_div(key_end, kBlockN) - tile.n_block_begin : 0;
+    return tile;
+  }
+
+  // The first slot after t whose tile has work (num_slots() if none).
+  __device__ __forceinline__ int next_work(int t) const {
+    for (t = next_slot(t); t < num_slots_; t = next_slot(t)) {
+      const Tile tile = tile_at(t);
+      if (tile.valid && tile.n_tiles > 0) break;
+    }
+    return t;
+  }
+
+ private:
+  const FwdParams& params_;
+  int num_m_blocks_;
+  int units_per_head_;
+  int num_slots_;
+  int first_slot_;
+};
+
+}  // namespace jflash::cuda::sm90

@@ -1,0 +1,97 @@
+#!/bin/bash
+# One call on a GPU machine, from the repository root: build, test, sanitize,
+# time. Logs go to $OUT.
+#   JFLASH_CUDA_SUBSET=... STEPS="build smoke tests suite sanitize bench" bash tools/device_run.sh
+# Optional variables: OUT, WORK_DIR, SITE_DIR, WHEEL_DIR (tools/env.sh), and
+#   STEPS              the steps below, in order (default: build tests sanitize bench)
+#   JFLASH_CUDA_SUBSET what the build step compiles (default: ci)
+#   JFLASH_CUDA_ARCHS  its architectures (default: 90a)
+#   BUILD_JOBS         its parallel compile jobs (default: the number of CPUs)
+#   BENCH_ARGS         quick_bench.py's arguments for the bench step
+set -u
+: "${STEPS:=build tests sanitize bench}"
+: "${JFLASH_CUDA_SUBSET:=ci}"
+: "${JFLASH_CUDA_ARCHS:=90a}"
+: "${BUILD_JOBS:=$(nproc)}"
+: "${BENCH_ARGS:=--head-dims 128 --seqs 16384}"
+source "$(dirname "$0")/env.sh"
+if [ -n "${WHEEL_DIR:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE_DIR" "$WHEEL_DIR"/*.whl || exit 1
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/device.txt"
+for step in $STEPS; do
+  start=$(date +%s)
+  case $step in
+    build)
+      CMAKE_BUILD_PARALLEL_LEVEL=$BUILD_JOBS JFLASH_CUDA=ON JFLASH_CUDA_ARCHS="$JFLASH_CUDA_ARCHS" \
+        JFLASH_CUDA_SUBSET="$JFLASH_CUDA_SUBSET" \
+        python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 \
+        || { tail -40 "$OUT/build.log"; exit 1; }
+      python3 -P -c "import jflash; print('HAS_CUDA_KERNELS', jflash.HAS_CUDA_KERNELS)" ;;
+    smoke)  # a hang or a wrong result stops the call here
+      timeout 120 python3 -P tools/smoke.py 2>&1 | tee "$OUT/smoke.log"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1 ;;
+    tests)
+      timeout 300 python3 -P -m pytest -q -p no:cacheprovider tests/test_cuda_specific.py > "$OUT/test_cuda.log" 2>&1
+      tail -25 "$OUT/test_cuda.log" ;;
+    suite)  # every file of tests/ in four parallel pytest processes (~3 minutes on an H200
+      # with the full build); without XLA's autotuning, whose tuning of the reference
+      # computations' compiles made each test several times slower
+      run_group() {  # name, pytest arguments...
+        local name=$1; shift
+        ( XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 480 python3 -P -m pytest -q -p no:cacheprovider "$@" \
+            > "$OUT/test_suite_$name.log" 2>&1; echo "$name rc=$?: $(tail -1 "$OUT/test_suite_$name.log")" ) &
+      }
+      run_group cuda_ref tests/test_cuda_specific.py -k test_against_reference
+      run_group cuda_other tests/test_cuda_specific.py -k "not test_against_reference"
+      run_group core tests/test_flash_attention.py tests/test_dot_product_attention.py
+      run_group rest tests/test_transforms.py tests/test_errors.py tests/test_flax.py tests/test_export.py \
+        tests/test_cuda_library.py tests/test_cpu_isa.py tests/test_sharding.py
+      wait ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        for attempt in 1 2; do  # the tool itself once crashed (rc 139) mid-run: retry once
+          timeout 150 compute-sanitizer --tool $tool --kernel-name kns=flash_ \
+            python3 -P tools/sanitizer_driver.py > "$OUT/sanitizer_$tool.log" 2>&1
+          rc=$?; echo "$tool attempt $attempt rc=$rc"; tail -4 "$OUT/sanitizer_$tool.log"
+          [ $rc -ne 139 ] && break
+        done
+      done ;;
+    ab)
+      bash tools/ab_bench.sh ;;
+    sweep)
+      bash tools/tile_sweep.sh ;;
+    ncu)  # hardware counters for one launch of the Hopper forward (head dim 128, seq 16k)
+      timeout 180 ncu --clock-control none --kernel-name regex:flash_fwd_sm90 --launch-count 1 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+        --section SchedulerStats --metrics regex:smsp__pcsamp_warps_issue_stalled_.* \
+        python3 -P tools/quick_bench.py --head-dims 128 --seqs 16384 --modes fwd \
+        --impls jflash --iterations 1 --repeats 1 --causal ${NCU_CAUSAL:-no} > "$OUT/ncu.log" 2>&1
+      echo "ncu rc=$?"; grep -E "Duration|Issue Slots|Eligible|Tensor|pcsamp" "$OUT/ncu.log" \
+        | grep -v " 0$" | head -40 ;;
+    ncu_source)  # warp-state samples per SASS instruction, one launch (head dim 128, seq 4k)
+      timeout 180 ncu --clock-control none --kernel-name regex:flash_fwd_sm90 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats --section SourceCounters \
+        --import-source no -o "$OUT/ncu_source" \
+        python3 -P tools/quick_bench.py --head-dims 128 --seqs 4096 --modes fwd \
+        --impls jflash --iterations 1 --repeats 1 --causal ${NCU_CAUSAL:-no} > "$OUT/ncu_source.log" 2>&1
+      echo "ncu rc=$?"
+      ncu --import "$OUT/ncu_source.ncu-rep" --page details > "$OUT/ncu_source_details.txt" 2>&1
+      ncu --import "$OUT/ncu_source.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>&1
+      grep -E "Duration|Elapsed Cycles|SM Frequency" "$OUT/ncu_source_details.txt"
+      python3 tools/ncu_source_summary.py "$OUT/ncu_source.csv" --top 15 ;;
+    ncu_bwd)  # hardware counters for one launch of the sm80 backward (head dim 128, seq 16k)
+      timeout 240 ncu --clock-control none --kernel-name regex:flash_bwd_kernel --launch-count 1 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+        --section SchedulerStats --section MemoryWorkloadAnalysis_Tables --section InstructionStats \
+        --metrics regex:smsp__pcsamp_warps_issue_stalled_.* \
+        python3 -P tools/quick_bench.py --head-dims 128 --seqs 16384 --modes fwdbwd \
+        --impls jflash --iterations 1 --repeats 1 --causal ${NCU_CAUSAL:-no} > "$OUT/ncu_bwd.log" 2>&1
+      echo "ncu rc=$?"; grep -E "Duration|Issue Slots|Eligible|Tensor|pcsamp|Bank|Shared" "$OUT/ncu_bwd.log" \
+        | grep -v " 0$" | head -60 ;;
+    bench)
+      timeout 240 python3 -P tools/quick_bench.py $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" ;;
+  esac
+  echo "== $step took $(( $(date +%s) - start )) s"
+done

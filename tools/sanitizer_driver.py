@@ -1,0 +1,70 @@
+"""A small forward + backward run for compute-sanitizer (memcheck, racecheck).
+
+Odd lengths that leave partial tiles at both sequence ends, GQA, one unmasked
+and one banded call (with fully masked rows), per head dim and dtype given:
+
+  XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool memcheck \
+      python3 -P tools/sanitizer_driver.py [--head-dims 128 192 256] \
+      [--dtypes bfloat16 float16]
+
+A second shape has more work units than the GPU has SMs (each persistent CTA
+of the Hopper forward then runs several units back to back), with a
+bottom-right causal band whose first query rows see no key. A third one has
+row maxima that rise along the keys (a bias per 64-key block through the
+first head-dim coordinate), so that the Hopper forward's softmax computes key
+tiles again with fresh maxima (tests/test_cuda_specific.py, rising scores).
+
+With JFLASH_CUDA_SMEM_LIMIT=101376 the same cases run the 99 KB tile column
+(head dims 192 and 256 then cover its 64 x 32 and 4-warp 32 x 32 backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jflash._src.flash_attention import attention_band
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[128])
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16"])
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    scale = 0.1
+    shapes = (  # (batch, seq_q, seq_k, heads, kv_heads, bands, rising)
+        (1, 77, 131, 4, 2, ((-77, 131), (-20, -5)), False),
+        (6, 700, 650, 16, 4, ((-700, 650), (-700, 650 - 700)), False),
+        (2, 300, 700, 8, 2, ((-300, 700), (-300, 700 - 300)), True),
+    )
+    # Natural-log units per 64-key block; steps past exp2's float32 range too.
+    rising_bias = np.asarray([0, 3, 10, 10, 25, 24, 125, 120, 130, 60, 140])
+    for d, dtype in ((d, jnp.dtype(t)) for d in args.head_dims for t in args.dtypes):
+        for b, sq, sk, h, hkv, bands, rising in shapes:
+            q = rng.standard_normal((b, sq, h, d))
+            k = rng.standard_normal((b, sk, hkv, d))
+            if rising:
+                q[..., 0] = np.where(np.arange(sq) % 2 == 0, 1.0, -1.0)[None, :, None]
+                k[..., 0] = rising_bias[np.minimum(np.arange(sk) // 64, len(rising_bias) - 1)][
+                    None, :, None] / scale
+            q, k = jnp.asarray(q, dtype), jnp.asarray(k, dtype)
+            v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
+            for lo, hi in bands:
+                def loss(q, k, v, lo=lo, hi=hi):
+                    out, lse = attention_band(q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi)
+                    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(
+                        jnp.where(jnp.isfinite(lse), lse, 0))
+
+                value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+                finite = bool(np.isfinite(float(value))) and all(
+                    np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
+                print(f"{jnp.dtype(dtype).name} d{d} {b}x{sq}x{sk}{' rising' if rising else ''} "
+                      f"band ({lo}, {hi}): "
+                      f"loss {float(value):.4f}, finite {finite}")
+
+if __name__ == "__main__":
+    main()
