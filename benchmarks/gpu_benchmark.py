@@ -11,7 +11,8 @@ jax.nn.dot_product_attention(implementation="cudnn") and implementation="xla"
       --modes fwd --out $OUT/gpu.json --time-budget-s 480
 
 TFLOP/s use common.attention_flops (fwd 4*B*H*S*S*D, halved for causal;
-fwd+bwd 3.5x fwd). --group G gives key and value num_heads / G heads (GQA; the
+fwd+bwd 3.5x fwd). Where both fwd and fwdbwd run, each impl also gets a "bwd"
+row: the backward alone, as the difference of the two times (2.5x fwd FLOPs). --group G gives key and value num_heads / G heads (GQA; the
 FLOPs are those of the query heads, as for MHA). A failing impl or row is recorded and the run goes on.
 --allow-cpu runs the same logic on a CPU (tiny sizes; cuDNN rows 'unavailable').
 """
@@ -109,6 +110,30 @@ def run_one(impl, shape, causal, mode, inputs, args, platform):
     return rec
 
 
+def backward_record(fwd, fwdbwd):
+    """The backward alone, from the forward and forward+backward rows of one run.
+
+    Its time is the difference of the two medians (the loop's forward+backward
+    iteration runs the forward once and the backward once); TFLOP/s count
+    2.5x the forward's FLOPs. Derived, not timed on its own: a kernel's
+    backward needs the residuals of its own forward, and a separately timed
+    backward loop would time that forward too.
+    """
+    rec = {k: fwd[k] for k in ("impl", "head_dim", "seq", "batch", "heads", "kv_heads", "causal",
+                               "dtype")}
+    rec.update(mode="bwd", derived="fwdbwd median_s - fwd median_s")
+    rec["flops"] = common.attention_flops(fwd["batch"], fwd["seq"], fwd["seq"], fwd["heads"],
+                                          fwd["head_dim"], causal=fwd["causal"], mode="bwd")
+    if fwd.get("status") == fwdbwd.get("status") == "ok":
+        rec["median_s"] = fwdbwd["median_s"] - fwd["median_s"]
+        rec["tflops"] = common.tflops(rec["flops"], rec["median_s"])
+        rec["status"] = "ok"
+    else:
+        rec["status"] = "not run"
+        rec["note"] = "needs ok fwd and fwdbwd rows"
+    return rec
+
+
 def summary_table(records):
     """One line per (head_dim, seq, causal, mode): TFLOP/s of each impl, jflash/cuDNN."""
     rows = {}
@@ -198,7 +223,7 @@ def main(argv=None):
           f"jflash CUDA kernels: {env['jflash_has_cuda_kernels']}; results -> {out}", flush=True)
     payload = dict(benchmark="gpu", environment=env,
                    args={k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-                   flop_convention="fwd 4*B*H*Sq*Sk*D, /2 causal; fwdbwd 3.5x fwd",
+                   flop_convention="fwd 4*B*H*Sq*Sk*D, /2 causal; bwd 2.5x fwd; fwdbwd 3.5x fwd",
                    records=[])
     records = payload["records"]
     for shape in grid(args):
@@ -229,6 +254,12 @@ def main(argv=None):
                             if rec["status"] == "ok" else f"{rec['status']}: {rec.get('note', '')[:120]}")
                     print(f"[{time.perf_counter() - started:6.1f}s] D{head_dim} S{seq} B{batch} H{heads} "
                           f"{'causal' if causal else 'full  '} {mode:6s} {impl:6s} {what}", flush=True)
+            if "fwd" in modes and "fwdbwd" in modes:
+                for impl in impls:
+                    by_mode = {r["mode"]: r for r in records[-len(modes) * len(impls):]
+                               if r["impl"] == impl}
+                    records.append(backward_record(by_mode["fwd"], by_mode["fwdbwd"]))
+                common.write_json(out, payload)
         del inputs
 
     table, notes = summary_table(records)

@@ -241,11 +241,12 @@ struct Sm90BwdTile {
 // (block_m 64), under the setmaxnreg budget of 240.
 // smem = (2 * block_n + 2 * q_stages * block_m) * head_dim * 2 bytes (K, V,
 // Q and dO) + 2 * block_m * block_n * 2 bytes (dS, two buffers)
-// + block_m * head_dim * 4 bytes (the float32 dQ tile on its way to L2).
+// + 2 * block_m * head_dim * 4 bytes (the float32 dQ tile on its way to L2,
+// two buffers).
 constexpr Sm90BwdTile sm90_bwd_tile(int head_dim) {
   switch (head_dim) {
-    case 64: return {64, 128, 2};   // 112 KB
-    case 128: return {64, 128, 2};  // 192 KB
+    case 64: return {64, 128, 2};   // 128 KB
+    case 128: return {64, 128, 2};  // 224 KB
     default: return {0, 0, 0};
   }
 }

@@ -127,10 +127,12 @@ struct BwdTraitsSm90 {
   // through shared memory to a TMA reduce-add into dq_accum: the tensor-memory
   // unit does the float32 additions in L2 asynchronously, in place of 8-byte
   // atomics from every consumer thread.
+  // Two buffers per consumer: a step writes one while the previous step's
+  // reduce may still be reading the other.
   static constexpr int kDqCols = kHeadDim / kConsumerWarpgroups;
   using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{},
                                               Shape<Int<kBlockM>, Int<kDqCols>,
-                                                    Int<kConsumerWarpgroups>>{}));
+                                                    Int<kConsumerWarpgroups>, _2>{}));
 
   // Global views the TMA descriptors are built from, [seq, head_dim, heads, batch].
   using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -338,7 +340,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // head_dim) dQ tile as the dQ product's accumulator partition sees it.
   const int consumer = tidx / 128;
   Tensor sdQ = make_tensor(make_smem_ptr(smem.dq.begin()), typename Traits::SmemLayoutdQ{});
-  Tensor tdQsdQ = thr_dq.partition_C(group_modes<1, 3>(sdQ));  // as acc_dq
+  // (MMA, MMA_M, MMA_N, buffer), as acc_dq
+  Tensor tdQsdQ = thr_dq.partition_C(group_modes<1, 3>(sdQ));
   Tensor mdQ = args.tma_dq.get_tma_tensor(Traits::shape_q(params));
   const bool dq_leader = tidx % 128 == 0;
 
@@ -468,21 +471,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // dS buffer, which is written again two steps later, past its next barrier.
     if (warp_leader) EmptyBarrier::arrive(&smem.qdo_empty[stage]);
 
-    // dQ_accum += dS K (scaled in the convert kernel): registers -> this
-    // consumer's buffer -> one TMA reduce-add, which clips rows past seqlen_q.
-    // The buffer is free again once the previous step's reduce has read it.
-    if (dq_leader) tma_store_wait<0>();
+    // dQ_accum += dS K (scaled in the convert kernel): registers -> one of
+    // this consumer's buffers -> one TMA reduce-add, which clips rows past
+    // seqlen_q. The buffer is free again once the reduce of two steps ago has
+    // read it. 8-byte shared stores: CuTe's element copy compiles to generic
+    // stores here (the swizzled address hides the state space).
+    if (dq_leader) tma_store_wait<1>();
     cutlass::arch::NamedBarrier::sync(128, kDqBarrier + consumer);
-    copy(acc_dq, tdQsdQ);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); i += 2) {
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(
+                       cast_smem_ptr_to_uint(&tdQsdQ(_, _, _, buffer)(i))),
+                   "f"(acc_dq(i)), "f"(acc_dq(i + 1))
+                   : "memory");
+    }
     tma_store_fence();  // the buffer's generic-proxy writes, visible to TMA
     cutlass::arch::NamedBarrier::sync(128, kDqBarrier + consumer);
     if (dq_leader) {
       Tensor gdQ = local_tile(mdQ(_, _, head, batch),
                               Shape<Int<kBlockM>, Int<Traits::kDqCols>>{},
                               make_coord(m_block, consumer));
-      auto [tdQgdQ_tma, tdQsdQ_tma] =
-          tma_partition(args.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQ(_, _, consumer)),
-                        group_modes<0, 2>(gdQ));
+      auto [tdQgdQ_tma, tdQsdQ_tma] = tma_partition(
+          args.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQ(_, _, consumer, buffer)),
+          group_modes<0, 2>(gdQ));
       copy(args.tma_dq, tdQsdQ_tma, tdQgdQ_tma);
       tma_store_arrive();
     }
