@@ -22,9 +22,9 @@
 //
 // Roles (warpgroups of 128 threads):
 //   warpgroup 0, the producer: one thread loads K and V once, then each step's
-//     Q and dO tiles into a ring of q_stages buffers, each guarded by a "full"
-//     mbarrier (TMA bytes landed) and an "empty" one (every consumer warp is
-//     done reading it). It gives most of its registers away (setmaxnreg).
+//     Q and dO tiles into a ring of q_stages buffers, each guarded by a "full" mbarrier (TMA bytes landed)
+//     and an "empty" one (every consumer warp is done reading it). It gives
+//     most of its registers away (setmaxnreg).
 //   warpgroups 1..: the consumers, 64 keys each (S^T, dP^T, dV, dK rows).
 //     The dQ product needs all of dS: each consumer writes its dS^T rows into
 //     shared memory, a named barrier joins them, and consumer w computes dQ's
@@ -76,6 +76,7 @@ struct BwdTraitsSm90 {
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   static_assert(kConsumerWarpgroups == 2, "the register budget assumes two consumers");
+  static_assert(2 * kBlockM <= kConsumerThreads, "a consumer thread per row loads lse or delta");
 
   // Consumer warpgroups along M (keys) for S^T, dP^T, dV, dK; along N (head
   // dim) for dQ.
@@ -167,6 +168,10 @@ struct BwdTraitsSm90 {
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> dout;
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutdS>> ds;
     alignas(1024) cute::ArrayEngine<float, cosize_v<SmemLayoutdQ>> dq;
+    // lse in the log2 domain and delta of a step's query rows, two buffers
+    // (the consumer section of the kernel says who writes them when).
+    alignas(16) float lse_log2[2][kBlockM];
+    alignas(16) float delta[2][kBlockM];
     alignas(8) uint64_t kv_full;
     uint64_t qdo_full[kStages];
     uint64_t qdo_empty[kStages];
@@ -370,7 +375,34 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                     Traits::kConsumerWarpgroups <=
                 cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
 
-  if (steps.num_steps > 0) FullBarrier::wait(&smem.kv_full, 0);
+  // lse (log2 domain) and delta of a step's query rows go through shared
+  // memory, buffer step % 2: consumer threads 0 .. block_m - 1 load lse,
+  // block_m .. 2 block_m - 1 delta, one row each, a step ahead. The loads are
+  // issued early in the step before (their latency hidden under its products)
+  // and stored right before its dS barrier, which also orders them: every
+  // read of that buffer two steps back came before the last dS barrier, and
+  // every read of the new values comes after this one. Rows past the end and
+  // rows that saw no key in the forward (lse = -inf) get lse = +inf, so that
+  // P = 0 there.
+  auto load_row_stat = [&](int step) {
+    int head, m_block;
+    steps.unit(step, head, m_block);
+    const int row = m_block * kBlockM + tidx % kBlockM;
+    const int64_t index = (int64_t{batch} * params.num_heads + head) * params.seqlen_q + row;
+    if (row >= params.seqlen_q) return tidx < kBlockM ? INFINITY : 0.f;
+    if (tidx >= kBlockM) return params.delta[index];
+    const float lse = params.lse[index];
+    return lse == -INFINITY ? INFINITY : lse * kLog2e;
+  };
+  auto store_row_stat = [&](int step, float value) {
+    (tidx < kBlockM ? smem.lse_log2 : smem.delta)[step % 2][tidx % kBlockM] = value;
+  };
+  const bool loads_row_stat = tidx < 2 * kBlockM;
+  if (steps.num_steps > 0) {
+    if (loads_row_stat) store_row_stat(0, load_row_stat(0));
+    cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsBarrier);
+    FullBarrier::wait(&smem.kv_full, 0);
+  }
   for (int step = 0; step < steps.num_steps; ++step) {
     int head, m_block;
     steps.unit(step, head, m_block);
@@ -378,27 +410,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int stage = step % kStages;
     const int buffer = step % 2;
 
-    // lse (log2 domain) and delta of this thread's query rows. Rows past the
-    // end and rows that saw no key in the forward (lse = -inf) get lse = +inf,
-    // so that P = 0 there.
-    const int64_t row_offset = (int64_t{batch} * params.num_heads + head) * params.seqlen_q;
-    float lse_log2[kCols];
-    float delta[kCols];
-    CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) {
-      const int row = row0 + get<1>(cS_rc(0, c));
-      const bool inside = row < params.seqlen_q;
-      const float lse = inside ? params.lse[row_offset + row] : -INFINITY;
-      lse_log2[c] = lse == -INFINITY ? INFINITY : lse * kLog2e;
-      delta[c] = inside ? params.delta[row_offset + row] : 0.f;
-    }
-
     // S^T = K Q^T and dP^T = V dO^T   (block_n x block_m)
     FullBarrier::wait(&smem.qdo_full[stage], (step / kStages) & 1);
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
     wgmma_issue</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
     wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), acc_dp);
+    const bool next_row_stat = loads_row_stat && step + 1 < steps.num_steps;
+    const float row_stat = next_row_stat ? load_row_stat(step + 1) : 0.f;
 
     // P^T = exp2(S^T * scale_log2 - lse_log2); keys outside the band or past
     // the last key get P = 0.
@@ -410,6 +429,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       needs_mask = needs_mask || !params.mask.tile_all_visible(
                                      row0, min(row0 + kBlockM, params.seqlen_q), key0, key0 + kBlockN);
     }
+    float lse_log2[kCols];  // of this thread's query rows (columns)
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) lse_log2[c] = smem.lse_log2[buffer][get<1>(cS_rc(0, c))];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
@@ -440,6 +462,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     warpgroup_wait<1>();  // dP^T done; dV may still run
     warpgroup_fence_operand(acc_dp);
     Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+    float delta[kCols];
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) delta[c] = smem.delta[buffer][get<1>(cS_rc(0, c))];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
@@ -459,6 +484,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // dQ = dS K   (block_m x this consumer's head-dim columns), once both
     // consumers' dS^T rows are visible to the tensor cores.
+    if (next_row_stat) store_row_stat(step + 1, row_stat);
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsBarrier);
     Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
