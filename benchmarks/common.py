@@ -261,9 +261,11 @@ def environment_record():
         jflash_file=jflash_file,
         jflash_has_cuda_kernels=has_cuda,
         jflash_commit=jflash_commit(),
-        # Kernel choices made from the environment (JFLASH_CUDA_FORWARD picks
-        # the Hopper or the sm80 forward; JFLASH_CPU_ISA narrows the CPU path).
-        jflash_env={k: os.environ[k] for k in ("JFLASH_CUDA_FORWARD", "JFLASH_CPU_ISA")
+        # Kernel choices made from the environment (JFLASH_CUDA_FORWARD and
+        # JFLASH_CUDA_BACKWARD pick the Hopper or the sm80 kernels;
+        # JFLASH_CPU_ISA narrows the CPU path).
+        jflash_env={k: os.environ[k]
+                    for k in ("JFLASH_CUDA_FORWARD", "JFLASH_CUDA_BACKWARD", "JFLASH_CPU_ISA")
                     if k in os.environ},
     )
 

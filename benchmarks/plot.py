@@ -3,7 +3,8 @@
   python3 -P benchmarks/plot.py benchmarks/results/gpu_<device>_<date>.json
 
 One panel per (head_dim, causal); in each, one colour per impl (jflash, cuDNN,
-XLA), solid for forward, dashed for forward+backward. Rows that did not run
+XLA), solid for forward, dotted for the backward alone (where the file has
+"bwd" rows), dashed for forward+backward. Rows that did not run
 (errors, skipped XLA, no GPU) are left out of the lines and listed under the
 figure's title count. A cpu_benchmark.py file gives one panel of GFLOP/s.
 matplotlib is a dev-only dependency: `python3 -m pip install matplotlib`.
@@ -21,9 +22,9 @@ matplotlib.use("Agg")  # files only; no display here
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLORS = {"jflash": "tab:red", "cudnn": "tab:blue", "xla": "tab:gray"}
-STYLES = {"fwd": "-", "fwdbwd": "--"}
-MARKERS = {"fwd": "o", "fwdbwd": "s"}
-MODE_LABEL = {"fwd": "fwd", "fwdbwd": "fwd+bwd"}
+STYLES = {"fwd": "-", "bwd": ":", "fwdbwd": "--"}
+MARKERS = {"fwd": "o", "bwd": "^", "fwdbwd": "s"}
+MODE_LABEL = {"fwd": "fwd", "bwd": "bwd", "fwdbwd": "fwd+bwd"}
 
 
 def _panels(records, rate_key):
