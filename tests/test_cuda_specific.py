@@ -266,11 +266,16 @@ def test_small_smem_tiles():
         for d in (96, 128, 160, 192, 224, 256):
             smem = cuda_kernel_smem_bytes("bwd", jnp.bfloat16, d, False)
             assert smem == 0 or smem > SMALL_SMEM_LIMIT, (d, smem)
-    env = dict(os.environ, JFLASH_CUDA_SMEM_LIMIT=str(SMALL_SMEM_LIMIT))
+    _pytest_in_subprocess("test_small_smem_against_reference",
+                          JFLASH_CUDA_SMEM_LIMIT=str(SMALL_SMEM_LIMIT))
+
+
+def _pytest_in_subprocess(test_name, **env):
+    """Runs this file's test_name in a fresh process with env set; all must pass."""
     result = subprocess.run(
         [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-         str(pathlib.Path(__file__).resolve()), "-k", "test_small_smem_against_reference"],
-        env=env, capture_output=True, text=True, timeout=600,
+         str(pathlib.Path(__file__).resolve()), "-k", test_name],
+        env=dict(os.environ, **env), capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout, result.stdout[-2000:]
@@ -354,14 +359,7 @@ def test_sm80_backward_on_hopper():
     """JFLASH_CUDA_BACKWARD=sm80 runs (and checks) the sm80 backward on Hopper."""
     if os.environ.get("JFLASH_CUDA_BACKWARD"):
         pytest.skip("already under a JFLASH_CUDA_BACKWARD")
-    env = dict(os.environ, JFLASH_CUDA_BACKWARD="sm80")
-    result = subprocess.run(
-        [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-         str(pathlib.Path(__file__).resolve()), "-k", "test_sm80_backward_against_reference"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout, result.stdout[-2000:]
+    _pytest_in_subprocess("test_sm80_backward_against_reference", JFLASH_CUDA_BACKWARD="sm80")
 
 
 _SM80_ON_HOPPER = r"""

@@ -314,28 +314,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   }
 
-  // dK = softmax_scale * dS^T Q; both written once, rows past the last key skipped.
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
-  Tensor dk = convert_fragment<Element>(acc_dk);
-  Tensor dv = convert_fragment<Element>(acc_dv);
-  Tensor tdKVcdKV =
-      thr_mma_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  Element* dk_ptr = static_cast<Element*>(params.dk) + batch * params.dk_batch_stride +
-                    kv_head * params.dk_head_stride;
-  Element* dv_ptr = static_cast<Element*>(params.dv) + batch * params.dv_batch_stride +
-                    kv_head * params.dv_head_stride;
-  CUTE_UNROLL
-  for (int i = 0; i < size(dk); i += 2) {
-    const int key = key0 + get<0>(tdKVcdKV(i));
-    if (key < params.seqlen_k) {
-      const int col = get<1>(tdKVcdKV(i));
-      *reinterpret_cast<uint32_t*>(dk_ptr + key * params.dk_row_stride + col) =
-          pack_pair(dk(i), dk(i + 1));
-      *reinterpret_cast<uint32_t*>(dv_ptr + key * params.dv_row_stride + col) =
-          pack_pair(dv(i), dv(i + 1));
-    }
-  }
+  // dK and dV of the key block, written once.
+  store_dk_dv<Element>(
+      acc_dk, acc_dv,
+      thr_mma_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{})), key0,
+      batch, kv_head, params);
 }
 
 template <typename Element, int kHeadDim, bool kBanded, SmemClass kSmem = SmemClass::kLarge>

@@ -1,7 +1,7 @@
-// The backward's small kernels around the main one, shared by the sm80 and the
-// Hopper backward: delta = rowsum(dO * O) - dlse before it, and the float32 dQ
-// accumulator scaled and converted after it. Both are memory-bound
-// grid-stride loops.
+// What the sm80 and the Hopper backward share: the small kernels around the
+// main one (delta = rowsum(dO * O) - dlse before it, and the float32 dQ
+// accumulator scaled and converted after it; both memory-bound grid-stride
+// loops), and the main kernels' dK, dV store.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -72,6 +72,36 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams pa
     packed.x = pack_pair(Element(acc.x * s), Element(acc.y * s));
     packed.y = pack_pair(Element(acc.z * s), Element(acc.w * s));
     *reinterpret_cast<uint2*>(dst) = packed;
+  }
+}
+
+// dK = softmax_scale * sum dS^T Q and dV = sum P^T dO of a key block, from
+// their float32 accumulators (acc_dk is scaled in place), written once in the
+// input dtype; keys at or past seqlen_k are not stored. coords: the (key,
+// head-dim column) of each accumulator element; elements 2i, 2i+1 are
+// adjacent columns (4-byte stores).
+template <typename Element, typename AccDK, typename AccDV, typename Coords>
+__device__ __forceinline__ void store_dk_dv(AccDK& acc_dk, AccDV const& acc_dv,
+                                            Coords const& coords, int key0, int batch,
+                                            int kv_head, const BwdParams& params) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
+  Tensor dk = convert_fragment<Element>(acc_dk);
+  Tensor dv = convert_fragment<Element>(acc_dv);
+  Element* dk_ptr = static_cast<Element*>(params.dk) + batch * params.dk_batch_stride +
+                    kv_head * params.dk_head_stride;
+  Element* dv_ptr = static_cast<Element*>(params.dv) + batch * params.dv_batch_stride +
+                    kv_head * params.dv_head_stride;
+  CUTE_UNROLL
+  for (int i = 0; i < size(dk); i += 2) {
+    const int key = key0 + get<0>(coords(i));
+    if (key < params.seqlen_k) {
+      const int col = get<1>(coords(i));
+      *reinterpret_cast<uint32_t*>(dk_ptr + key * params.dk_row_stride + col) =
+          pack_pair(dk(i), dk(i + 1));
+      *reinterpret_cast<uint32_t*>(dv_ptr + key * params.dv_row_stride + col) =
+          pack_pair(dv(i), dv(i + 1));
+    }
   }
 }
 
