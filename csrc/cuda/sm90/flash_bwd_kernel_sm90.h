@@ -51,8 +51,10 @@
 
 #include "cuda/flash_bwd_preprocess.h"
 #include "cuda/launch.h"
+#include "cuda/sm90/pipeline_sm90.h"
+#include "cuda/sm90/tile_scheduler_sm90.h"
+#include "cuda/sm90/traits_bwd_sm90.h"
 #include "cuda/sm90/wgmma_utils.h"
-#include "cuda/tile_sizes.h"
 #include "cuda/utils.h"
 #include "jflash/params.h"
 
@@ -60,182 +62,11 @@ namespace jflash::cuda::sm90 {
 
 using namespace cute;
 
-template <typename Element_, int kHeadDim_>
-struct BwdTraitsSm90 {
-  using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr Sm90BwdTile kTile = sm90_bwd_tile(kHeadDim);
-  static_assert(kTile.block_m > 0, "no sm90 backward tile for this head dim");
-  static constexpr int kBlockM = kTile.block_m;
-  static constexpr int kBlockN = kTile.block_n;
-  static constexpr int kStages = kTile.q_stages;
-  static constexpr int kConsumerWarpgroups = kBlockN / 64;
-  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
-  static constexpr int kNThreads = 128 + kConsumerThreads;
-  // setmaxnreg: 24 * 128 + 240 * 256 <= 64K registers of the SM.
-  static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = 240;
-  static_assert(kConsumerWarpgroups == 2, "the register budget assumes two consumers");
-  static_assert(2 * kBlockM <= kConsumerThreads, "a consumer thread per row loads lse or delta");
-
-  // Consumer warpgroups along M (keys) for S^T, dP^T, dV, dK; along N (head
-  // dim) for dQ.
-  using AlongM = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
-  using AlongN = Layout<Shape<_1, Int<kConsumerWarpgroups>, _1>>;
-  // S^T = K Q^T, dP^T = V dO^T: M = block_n, N = block_m, K = head_dim; both K-major.
-  using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
-      AlongM{}));
-  // dV += P^T dO, dK += dS^T Q: M = block_n, N = head_dim, K = block_m; A from
-  // registers, B (dO, Q as head_dim x block_m) MN-major: head_dim is contiguous.
-  using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
-      AlongM{}));
-  // dQ = dS K: M = block_m, N = head_dim, K = block_n; dS stored with the
-  // query rows contiguous and K read as head_dim x block_n: both MN-major.
-  using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float,
-                           Shape<Int<kBlockM>, Int<kHeadDim / kConsumerWarpgroups>, Int<kBlockN>>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
-      AlongN{}));
-
-  // 128-byte swizzled layouts that both TMA and wgmma understand.
-  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                             Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  // dS (block_m x block_n), query rows contiguous, as the stmatrix of dS^T
-  // from its accumulator layout writes it; two buffers, so that one consumer
-  // may write the next step's dS while the other still reads this one.
-  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                              Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
-  // Transposed views of the same memory (element (d, m) of Q^T is (m, d) of Q).
-  using SmemLayoutQt = decltype(composition(
-      SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
-                                 Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
-  using SmemLayoutKt = decltype(composition(
-      SmemLayoutK{},
-      make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
-  using SmemLayoutdSt = decltype(composition(
-      SmemLayoutdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{},
-                                  Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
-  // stmatrix of a consumer's dS^T accumulator rows into the dS buffer.
-  using SmemCopydS = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{},
-                                                TiledMmaSdP{}));
-
-  // Each consumer's dQ tile (block_m x head_dim / consumers floats) goes
-  // through shared memory to a TMA reduce-add into dq_accum: the tensor-memory
-  // unit does the float32 additions in L2 asynchronously, in place of 8-byte
-  // atomics from every consumer thread.
-  // Two buffers per consumer: a step writes one while the previous step's
-  // reduce may still be reading the other.
-  static constexpr int kDqCols = kHeadDim / kConsumerWarpgroups;
-  using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{},
-                                              Shape<Int<kBlockM>, Int<kDqCols>,
-                                                    Int<kConsumerWarpgroups>, _2>{}));
-
-  // Global views the TMA descriptors are built from, [seq, head_dim, heads, batch].
-  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
-  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
-  template <typename SmemLayout, typename TileShape>
-  using Tma = decltype(make_tma_atom(
-      SM90_TMA_LOAD{},
-      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}),
-      SmemLayout{}, TileShape{}));
-  using TmaQ = Tma<decltype(take<0, 2>(SmemLayoutQ{})), Shape<Int<kBlockM>, Int<kHeadDim>>>;
-  using TmaK = Tma<SmemLayoutK, Shape<Int<kBlockN>, Int<kHeadDim>>>;
-  using TmadQ = decltype(make_tma_atom(
-      SM90_TMA_REDUCE_ADD{},
-      make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), GmemShape{}, GmemStride{}),
-      take<0, 2>(SmemLayoutdQ{}), Shape<Int<kBlockM>, Int<kDqCols>>{}));
-
-  CUTE_HOST_DEVICE static auto shape_q(const BwdParams& p) {
-    return make_shape(p.seqlen_q, int32_t{kHeadDim}, p.num_heads, p.batch);
-  }
-  CUTE_HOST_DEVICE static auto shape_k(const BwdParams& p) {
-    return make_shape(p.seqlen_k, int32_t{kHeadDim}, p.num_heads_kv, p.batch);
-  }
-
-  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kKBytes = kBlockN * kHeadDim * sizeof(Element);
-
-  struct SharedStorage {
-    // 1024-byte alignment: the period of the 128-byte swizzle.
-    alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutK>> k;
-    alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutK>> v;
-    alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
-    alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> dout;
-    alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutdS>> ds;
-    alignas(1024) cute::ArrayEngine<float, cosize_v<SmemLayoutdQ>> dq;
-    // lse in the log2 domain and delta of a step's query rows, two buffers
-    // (the consumer section of the kernel says who writes them when).
-    alignas(16) float lse_log2[2][kBlockM];
-    alignas(16) float delta[2][kBlockM];
-    alignas(8) uint64_t kv_full;
-    uint64_t qdo_full[kStages];
-    uint64_t qdo_empty[kStages];
-  };
-  static constexpr int kSmemBytes = sizeof(SharedStorage);
-  static_assert(kSmemBytes <= 227 * 1024);
-};
-
-// The kernel's parameters: the plain BwdParams plus the TMA descriptors built
-// from them on the host (passed by value, as __grid_constant__).
-template <typename Traits>
-struct BwdArgsSm90 {
-  BwdParams params;
-  typename Traits::TmaQ tma_q;
-  typename Traits::TmaQ tma_dout;
-  typename Traits::TmaK tma_k;
-  typename Traits::TmaK tma_v;
-  typename Traits::TmadQ tma_dq;  // reduce-add into dq_accum, [seqlen_q, head_dim, heads, batch]
-};
-
-// The query blocks one key block visits, and the (query head, query block)
-// of each step: every query head of the kv head's group, each over the rows
-// the band lets see these keys.
-template <int kBlockM, int kBlockN, bool kBanded>
-struct KeyBlockSteps {
-  int m_block_begin;
-  int num_m_blocks;
-  int num_steps;
-  int first_head;
-  int step_shift;
-
-  __device__ __forceinline__ KeyBlockSteps(const BwdParams& params, int n_block, int kv_head) {
-    const int key0 = n_block * kBlockN;
-    const int key_end = min(key0 + kBlockN, params.seqlen_k);
-    int row_lo = 0;
-    int row_hi = params.seqlen_q;
-    if constexpr (kBanded) {
-      row_lo = static_cast<int>(params.mask.row_begin(key0));
-      row_hi = static_cast<int>(params.mask.row_end(key_end, params.seqlen_q));
-    }
-    m_block_begin = row_lo / kBlockM;
-    num_m_blocks = row_lo < row_hi ? ceil_div(row_hi, kBlockM) - m_block_begin : 0;
-    num_steps = num_m_blocks * params.heads_per_kv;
-    first_head = kv_head * params.heads_per_kv;
-    // Key blocks start at different query blocks, so that the CTAs of one head
-    // do not all add into the same dQ rows at the same time.
-    step_shift = num_steps > 0 ? n_block % num_steps : 0;
-  }
-  // (query head, query block) of step i.
-  __device__ __forceinline__ void unit(int step, int& head, int& m_block) const {
-    int u = step + step_shift;
-    u = u >= num_steps ? u - num_steps : u;
-    head = first_head + u / num_m_blocks;
-    m_block = m_block_begin + u % num_m_blocks;
-  }
-};
-
 template <typename Traits, bool kBanded>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ BwdArgsSm90<Traits> args) {
   using Element = typename Traits::Element;
   using SharedStorage = typename Traits::SharedStorage;
-  using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
-  using EmptyBarrier = cutlass::arch::ClusterBarrier;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -248,15 +79,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int n_block = blockIdx.x;
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
-  const KeyBlockSteps<kBlockM, kBlockN, kBanded> steps(params, n_block, kv_head);
+  const KeyBlockStepsSm90<kBlockM, kBlockN, kBanded> steps(params, n_block, kv_head);
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     FullBarrier::init(&smem.kv_full, 1);
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
-      FullBarrier::init(&smem.qdo_full[s], 1);
-      EmptyBarrier::init(&smem.qdo_empty[s], Traits::kConsumerThreads / 32);
+      init_buffer_barriers(&smem.qdo_full[s], &smem.qdo_empty[s], Traits::kConsumerThreads / 32);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -299,13 +129,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                         group_modes<0, 2>(sQ), group_modes<0, 2>(q_tile(mQ)));
       auto [tdOgdO, tdOsdO] = tma_partition(args.tma_dout, Int<0>{}, Layout<_1>{},
                                             group_modes<0, 2>(sdO), group_modes<0, 2>(q_tile(mdO)));
-      const int stage = step % kStages;
-      // A fresh mbarrier counts as having completed the phase before phase 0,
-      // so the first wait on each "empty" barrier passes at once.
-      EmptyBarrier::wait(&smem.qdo_empty[stage], ((step / kStages) & 1) ^ 1);
-      FullBarrier::arrive_and_expect_tx(&smem.qdo_full[stage], 2 * Traits::kQBytes);
-      copy(args.tma_q.with(smem.qdo_full[stage]), tQgQ, tQsQ(_, stage));
-      copy(args.tma_dout.with(smem.qdo_full[stage]), tdOgdO, tdOsdO(_, stage));
+      const RingSlot<kStages> slot(step);
+      producer_acquire(&smem.qdo_empty[slot.stage], &smem.qdo_full[slot.stage], slot.phase,
+                       2 * Traits::kQBytes);
+      copy(args.tma_q.with(smem.qdo_full[slot.stage]), tQgQ, tQsQ(_, slot.stage));
+      copy(args.tma_dout.with(smem.qdo_full[slot.stage]), tdOgdO, tdOsdO(_, slot.stage));
     }
     return;
   }
@@ -407,11 +235,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     int head, m_block;
     steps.unit(step, head, m_block);
     const int row0 = m_block * kBlockM;
-    const int stage = step % kStages;
+    const RingSlot<kStages> slot(step);
+    const int stage = slot.stage;
     const int buffer = step % 2;
 
     // S^T = K Q^T and dP^T = V dO^T   (block_n x block_m)
-    FullBarrier::wait(&smem.qdo_full[stage], (step / kStages) & 1);
+    consumer_wait(&smem.qdo_full[stage], slot.phase);
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
     wgmma_issue</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
@@ -495,7 +324,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     warpgroup_fence_operand(acc_dq);
     // Q and dO of this stage are read; the other consumer may still read this
     // dS buffer, which is written again two steps later, past its next barrier.
-    if (warp_leader) EmptyBarrier::arrive(&smem.qdo_empty[stage]);
+    consumer_release(&smem.qdo_empty[stage], warp_leader);
 
     // dQ_accum += dS K (scaled in the convert kernel): registers -> one of
     // this consumer's buffers -> one TMA reduce-add, which clips rows past
