@@ -81,8 +81,9 @@ for step in $STEPS; do
       ncu --import "$OUT/ncu_source.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>&1
       grep -E "Duration|Elapsed Cycles|SM Frequency" "$OUT/ncu_source_details.txt"
       python3 tools/ncu_source_summary.py "$OUT/ncu_source.csv" --top 15 ;;
-    ncu_bwd)  # hardware counters for one launch of the sm80 backward (head dim 128, seq 16k)
-      timeout 240 ncu --clock-control none --kernel-name regex:flash_bwd_kernel --launch-count 1 \
+    ncu_bwd)  # hardware counters for one launch of the backward's main kernel (Hopper or sm80,
+      # as the handler picks; head dim 128, seq 16k)
+      timeout 240 ncu --clock-control none --kernel-name regex:'flash_bwd_(sm90_)?kernel' --launch-count 1 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
         --section SchedulerStats --section MemoryWorkloadAnalysis_Tables --section InstructionStats \
         --metrics regex:smsp__pcsamp_warps_issue_stalled_.* \
