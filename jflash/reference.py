@@ -48,10 +48,11 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, dtype=
     return out.astype(query.dtype), lse.astype(jnp.float32)
 
 
-def attention(query, key, value, *, causal=False, softmax_scale=None, return_lse=False):
+def attention(query, key, value, *, causal=False, softmax_scale=None, return_lse=False,
+              window_size=None):
     """Same signature and semantics as jflash.flash_attention, in plain jnp."""
     softmax_scale, diag_lo, diag_hi, return_lse = resolve_arguments(
-        query, key, value, causal, softmax_scale, return_lse
+        query, key, value, causal, softmax_scale, return_lse, window_size
     )
     out, lse = attention_band(
         query, key, value, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi

@@ -86,6 +86,12 @@ def test_not_an_array():
         # Beyond float64 too: float() would raise OverflowError.
         (dict(softmax_scale=10**400), ValueError, r"softmax_scale must be finite.*characters"),
         (dict(softmax_scale=jnp.float32(0.1) * jnp.ones(())), TypeError, "softmax_scale must be"),
+        (dict(window_size=(-2, 0)), ValueError, "window_size left side must be >= 0"),
+        (dict(window_size=(0, -5)), ValueError, "window_size right side must be >= 0"),
+        (dict(window_size=(1.5, 0)), TypeError, "window_size left side must be an int"),
+        (dict(window_size=(1, True)), TypeError, "window_size right side must be an int"),
+        (dict(window_size=8), TypeError, r"window_size must be None or a \(left, right\) pair"),
+        (dict(window_size=(1, 2, 3)), TypeError, "window_size must be None or a"),
     ],
 )
 def test_bad_keywords(kwargs, error, message):

@@ -161,3 +161,68 @@ def test_reference_public_api_matches_truth(rng):
     truth_out, truth_lse, _ = reference64.forward(*_truth_inputs(q, k, v), 32**-0.5, -37, 19 - 37)
     np.testing.assert_allclose(np.asarray(out), truth_out, atol=1e-5)
     np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(truth_lse))
+
+
+# (batch, seq_q, seq_k, heads, heads_kv, head_dim, causal, window_size): windows
+# aligned bottom-right like causal, each side bounded or not, with and without
+# causal, seq_q != seq_k both ways, GQA, rows that see no key.
+WINDOW_CASES = [
+    (1, 70, 70, 2, 2, 64, False, (5, 3)),
+    (1, 70, 90, 4, 2, 64, False, (0, 0)),  # one key per row: the diagonal
+    (1, 90, 70, 2, 1, 32, True, (12, -1)),  # causal caps the right side; rows 0..19 see nothing
+    (1, 50, 80, 2, 2, 80, False, (-1, 4)),  # left unbounded
+    (2, 40, 40, 2, 2, 64, True, (None, 7)),  # None is unbounded too; causal wins on the right
+    (1, 33, 65, 4, 4, 128, False, (100, 100)),  # wider than the sequences: no mask
+]
+
+
+def _window_diags(seq_q, seq_k, causal, window_size):
+    """The window's band written out from the documented rule, independent of jflash."""
+    left, right = (-1 if s is None else s for s in window_size)
+    offset = seq_k - seq_q
+    lo = offset - left if left >= 0 else -seq_q
+    hi = offset + right if right >= 0 else seq_k
+    if causal:
+        hi = min(hi, offset)
+    return lo, hi
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"{c[1]}x{c[2]}_c{int(c[6])}_w{c[7]}")
+def test_window_size_against_reference(rng, case):
+    *shape, causal, window = case
+    dtype = jnp.bfloat16
+    q, k, v = _inputs(rng, shape, dtype)
+    dout = jnp.asarray(rng.standard_normal(q.shape), dtype)
+    dlse = jnp.asarray(rng.standard_normal((shape[0], shape[3], shape[1])), jnp.float32)
+    scale = 1 / np.sqrt(shape[5])
+    lo, hi = _window_diags(shape[1], shape[2], causal, window)
+
+    def kernel_fn(q, k, v):
+        return jflash.flash_attention(q, k, v, causal=causal, window_size=window, return_lse=True)
+
+    (out, lse), vjp = jax.vjp(jax.jit(kernel_fn), q, k, v)
+    grads = vjp((dout, dlse))
+    truth_out, truth_lse, _ = reference64.forward(*_truth_inputs(q, k, v), scale, lo, hi)
+    truth_grads = reference64.backward(*_truth_inputs(q, k, v, dout), np.asarray(dlse), scale, lo, hi)
+    plain = jax.vjp(lambda q, k, v: reference_band(q, k, v, softmax_scale=scale, diag_lo=lo,
+                                                   diag_hi=hi, dtype=plain_dtype(dtype)), q, k, v)
+    plain_out, plain_lse = plain[0]
+    plain_grads = plain[1]((dout, dlse))
+    assert_within_rule("out", out, plain_out, truth_out, dtype)
+    assert_within_rule("lse", lse, plain_lse, truth_lse, dtype)
+    for name, got, ref, exact in zip(("dq", "dk", "dv"), grads, plain_grads, truth_grads):
+        assert_within_rule(name, got, ref, exact, dtype)
+    # jflash.reference takes the same argument.
+    ref_out = jflash.reference.attention(q, k, v, causal=causal, window_size=window)
+    np.testing.assert_allclose(np.asarray(ref_out, np.float32), np.asarray(plain_out, np.float32),
+                               atol=2e-2)
+
+
+@pytest.mark.parametrize("window", [(3, 2), (0, 5), (7, 0)])
+def test_window_size_matches_jax_nn(rng, window):
+    """Square problems, where bottom-right and top-left alignment agree: the
+    window of jax.nn.dot_product_attention's local_window_size."""
+    q, k, v = _inputs(rng, (2, 60, 60, 4, 2, 64), jnp.float32)
+    got = jflash.flash_attention(q, k, v, window_size=window)
+    want = jax.nn.dot_product_attention(q, k, v, local_window_size=window, implementation="xla")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)

@@ -37,6 +37,25 @@ def causal_band(seqlen_q: int, seqlen_k: int, causal: bool, *, bottom_right: boo
     return diag_lo, (seqlen_k - seqlen_q) if bottom_right else 0
 
 
+def window_band(seqlen_q: int, seqlen_k: int, causal: bool, window_size):
+    """(diag_lo, diag_hi) for causal and a (left, right) window, both bottom-right.
+
+    Query i sees key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k -
+    seqlen_q + right (FlashAttention's convention); -1 leaves a side unbounded,
+    and causal caps right at 0. window_size None is no window.
+    """
+    diag_lo, diag_hi = causal_band(seqlen_q, seqlen_k, causal)
+    if window_size is None:
+        return diag_lo, diag_hi
+    left, right = window_size
+    offset = seqlen_k - seqlen_q
+    if left >= 0:
+        diag_lo = max(diag_lo, offset - left)
+    if right >= 0:
+        diag_hi = min(diag_hi, offset + right)
+    return diag_lo, diag_hi
+
+
 SECOND_ORDER_UNSUPPORTED = (
     "jflash: second-order differentiation of flash attention (jax.grad of jax.grad, "
     "jax.hessian, or any derivative of its backward pass) is not supported; the "
@@ -134,7 +153,7 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi):
     return out, lse
 
 
-def resolve_arguments(query, key, value, causal, softmax_scale, return_lse):
+def resolve_arguments(query, key, value, causal, softmax_scale, return_lse, window_size=None):
     """Validates flash_attention's arguments; (softmax_scale, diag_lo, diag_hi, return_lse).
 
     Shared with jflash.reference.attention so that both read arguments alike.
@@ -143,11 +162,13 @@ def resolve_arguments(query, key, value, causal, softmax_scale, return_lse):
     causal = validation.check_bool("causal", causal)
     return_lse = validation.check_bool("return_lse", return_lse)
     softmax_scale = validation.check_softmax_scale(softmax_scale, q_shape[3])
-    diag_lo, diag_hi = causal_band(q_shape[1], k_shape[1], causal)
+    window_size = validation.check_window_size(window_size)
+    diag_lo, diag_hi = window_band(q_shape[1], k_shape[1], causal, window_size)
     return softmax_scale, diag_lo, diag_hi, return_lse
 
 
-def flash_attention(query, key, value, *, causal=False, softmax_scale=None, return_lse=False):
+def flash_attention(query, key, value, *, causal=False, softmax_scale=None, return_lse=False,
+                    window_size=None):
     """Exact attention, computed tile by tile without a seq_q x seq_k buffer.
 
     Args:
@@ -162,12 +183,17 @@ def flash_attention(query, key, value, *, causal=False, softmax_scale=None, retu
       softmax_scale: static scale applied to q.k; default 1/sqrt(head_dim).
       return_lse: also return lse [batch, num_heads, seq_q], float32, natural
         log of the softmax denominator (differentiable).
+      window_size: None, or (left, right): a sliding window aligned like causal,
+        query i sees key j iff i + seq_k - seq_q - left <= j <= i + seq_k -
+        seq_q + right; -1 (or None) leaves a side unbounded; with causal=True
+        the right side is 0. Runs on the same band-masked kernels as causal,
+        which skip the key tiles outside the window.
 
     Returns:
       out with the shape and dtype of query, or (out, lse).
     """
     softmax_scale, diag_lo, diag_hi, return_lse = resolve_arguments(
-        query, key, value, causal, softmax_scale, return_lse
+        query, key, value, causal, softmax_scale, return_lse, window_size
     )
     out, lse = attention_band(
         query, key, value, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi

@@ -120,6 +120,31 @@ def finite_as_float32(scale: float) -> bool:
         return bool(np.isfinite(np.float32(scale)))
 
 
+def check_window_size(window_size):
+    """(left, right) with -1 for an unbounded side, or None for no window.
+
+    Each side is a non-negative int, or -1 / None for unbounded (FlashAttention's
+    convention).
+    """
+    if window_size is None:
+        return None
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(
+            f"window_size must be None or a (left, right) pair, got {_short_repr(window_size)}")
+    sides = []
+    for name, side in zip(("left", "right"), window_size):
+        if side is None:
+            side = -1
+        if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)):
+            raise TypeError(f"window_size {name} side must be an int or None, "
+                            f"got {type(side).__name__}")
+        if side < -1:
+            raise ValueError(f"window_size {name} side must be >= 0, or -1 / None for "
+                             f"unbounded; got {int(side)}")
+        sides.append(int(side))
+    return tuple(sides)
+
+
 def check_bool(name, value):
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
