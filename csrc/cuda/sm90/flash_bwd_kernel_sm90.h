@@ -22,13 +22,17 @@
 //
 // Roles (warpgroups of 128 threads):
 //   warpgroup 0, the producer: one thread loads K and V once, then each step's
-//     Q and dO tiles into a ring of q_stages buffers, each guarded by a "full" mbarrier (TMA bytes landed)
-//     and an "empty" one (every consumer warp is done reading it). It gives
-//     most of its registers away (setmaxnreg).
+//     Q and dO tiles into a ring of q_stages buffers (pipeline_sm90.h), each
+//     guarded by a "full" mbarrier (TMA bytes landed) and an "empty" one
+//     (every consumer warp is done reading it). It gives most of its
+//     registers away (setmaxnreg).
 //   warpgroups 1..: the consumers, 64 keys each (S^T, dP^T, dV, dK rows).
 //     The dQ product needs all of dS: each consumer writes its dS^T rows into
 //     shared memory, a named barrier joins them, and consumer w computes dQ's
-//     head-dim columns [w, w + 1) * head_dim / consumers.
+//     head-dim columns [w, w + 1) * head_dim / consumers. Each step's lse and
+//     delta come through shared memory too, loaded a step ahead by consumer
+//     threads and ordered by the same barrier.
+// docs/hopper_backward.md gives the measurement behind each choice.
 //
 // Before the main kernel, delta = rowsum(dO * O) - dlse and dq_accum = 0
 // (flash_bwd_preprocess.h); after it, dq = softmax_scale * dq_accum.
