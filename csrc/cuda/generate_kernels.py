@@ -23,17 +23,17 @@ MASKS = {"full": "false", "band": "true"}
 # direction: (header, registration expression, head dims)
 DIRECTIONS = {
     "fwd": (
-        "cuda/flash_fwd_kernel.h",
+        "cuda/flash_fwd_kernel_sm80.h",
         "register_fwd_kernel(DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},\n"
         "    FwdKernel{{&run_flash_fwd<Element, {head_dim}, {banded}>,\n"
-        "              FwdTraits<Element, {head_dim}>::kSmemBytes}})",
+        "              FwdTraitsSm80<Element, {head_dim}>::kSmemBytes}})",
         HEAD_DIMS,
     ),
     "bwd": (
-        "cuda/flash_bwd_kernel.h",
+        "cuda/flash_bwd_kernel_sm80.h",
         "register_bwd_kernel(DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},\n"
         "    BwdKernel{{&run_flash_bwd<Element, {head_dim}, {banded}>,\n"
-        "              BwdTraits<Element, {head_dim}>::kSmemBytes}})",
+        "              BwdTraitsSm80<Element, {head_dim}>::kSmemBytes}})",
         HEAD_DIMS,
     ),
     # The sm80 kernels' small-shared-memory column (tile_sizes.h, SmemClass::
@@ -41,19 +41,19 @@ DIRECTIONS = {
     # head dims whose kLarge tile needs more; the static_assert keeps this list
     # and the tile table in step.
     "fwd_small": (
-        "cuda/flash_fwd_kernel.h",
+        "cuda/flash_fwd_kernel_sm80.h",
         "register_fwd_kernel(DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},\n"
         "    FwdKernel{{&run_flash_fwd<Element, {head_dim}, {banded}, SmemClass::kSmall>,\n"
-        "              FwdTraits<Element, {head_dim}, SmemClass::kSmall>::kSmemBytes}},\n"
+        "              FwdTraitsSm80<Element, {head_dim}, SmemClass::kSmall>::kSmemBytes}},\n"
         "    SmemClass::kSmall);\n"
         "static_assert(has_small_fwd_tile({head_dim}))",
         (224, 256),
     ),
     "bwd_small": (
-        "cuda/flash_bwd_kernel.h",
+        "cuda/flash_bwd_kernel_sm80.h",
         "register_bwd_kernel(DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},\n"
         "    BwdKernel{{&run_flash_bwd<Element, {head_dim}, {banded}, SmemClass::kSmall>,\n"
-        "              BwdTraits<Element, {head_dim}, SmemClass::kSmall>::kSmemBytes}},\n"
+        "              BwdTraitsSm80<Element, {head_dim}, SmemClass::kSmall>::kSmemBytes}},\n"
         "    SmemClass::kSmall);\n"
         "static_assert(has_small_bwd_tile({head_dim}))",
         (96, 128, 160, 192, 224, 256),

@@ -1,7 +1,7 @@
 // The one table of tile sizes: which (block_m, block_n, warps) each head dim runs.
 //
 // Everything else (shared-memory layouts, MMA warp layouts, grid shapes) is
-// derived from these entries in kernel_traits.h. A change of tile size is a
+// derived from these entries in kernel_traits_sm80.h. A change of tile size is a
 // change of one line here, with its reason and measurement beside it
 // (docs/cuda_kernels.md holds the measurements).
 //
@@ -139,7 +139,7 @@ constexpr BwdTile bwd_tile(int head_dim, SmemClass smem = SmemClass::kLarge) {
 }
 
 // Dynamic shared memory of the sm80 kernels for a tile, in bytes (16-bit
-// elements; kernel_traits.h asserts that its layouts add up to the same).
+// elements; kernel_traits_sm80.h asserts that its layouts add up to the same).
 constexpr int fwd_smem_bytes(const FwdTile& t, int head_dim) {
   return (t.block_m + 2 * t.block_n) * head_dim * 2;
 }

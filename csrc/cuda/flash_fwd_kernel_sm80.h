@@ -15,7 +15,7 @@
 
 #include <cute/tensor.hpp>
 
-#include "cuda/kernel_traits.h"
+#include "cuda/kernel_traits_sm80.h"
 #include "cuda/launch.h"
 #include "cuda/utils.h"
 #include "jflash/params.h"
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
 template <typename Element, int kHeadDim, bool kBanded, SmemClass kSmem = SmemClass::kLarge>
 cudaError_t run_flash_fwd(const FwdParams& params, const LaunchContext& ctx) {
-  using Traits = FwdTraits<Element, kHeadDim, kSmem>;
+  using Traits = FwdTraitsSm80<Element, kHeadDim, kSmem>;
   auto kernel = &flash_fwd_kernel<Traits, kBanded>;
   constexpr int kSmemBytes = Traits::kSmemBytes;
   if constexpr (kSmemBytes > 48 * 1024) {

@@ -22,7 +22,7 @@
 #include <cute/tensor.hpp>
 
 #include "cuda/flash_bwd_preprocess.h"
-#include "cuda/kernel_traits.h"
+#include "cuda/kernel_traits_sm80.h"
 #include "cuda/launch.h"
 #include "cuda/utils.h"
 #include "jflash/params.h"
@@ -323,7 +323,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
 template <typename Element, int kHeadDim, bool kBanded, SmemClass kSmem = SmemClass::kLarge>
 cudaError_t run_flash_bwd(const BwdParams& params, const LaunchContext& ctx) {
-  using Traits = BwdTraits<Element, kHeadDim, kSmem>;
+  using Traits = BwdTraitsSm80<Element, kHeadDim, kSmem>;
   if (cudaError_t err = launch_bwd_preprocess<Element, kHeadDim>(params, ctx); err != cudaSuccess) {
     return err;
   }

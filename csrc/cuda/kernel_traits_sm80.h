@@ -56,7 +56,7 @@ struct BaseTraits {
 
 // kSmem picks the column of the tile table (tile_sizes.h).
 template <typename Element_, int kHeadDim_, SmemClass kSmem = SmemClass::kLarge>
-struct FwdTraits
+struct FwdTraitsSm80
     : BaseTraits<Element_, kHeadDim_, fwd_tile(kHeadDim_, kSmem).num_warps * 32> {
   using Base = BaseTraits<Element_, kHeadDim_, fwd_tile(kHeadDim_, kSmem).num_warps * 32>;
   using typename Base::Element;
@@ -89,7 +89,7 @@ struct FwdTraits
 };
 
 template <typename Element_, int kHeadDim_, SmemClass kSmem = SmemClass::kLarge>
-struct BwdTraits
+struct BwdTraitsSm80
     : BaseTraits<Element_, kHeadDim_, bwd_tile(kHeadDim_, kSmem).num_warps * 32> {
   using Base = BaseTraits<Element_, kHeadDim_, bwd_tile(kHeadDim_, kSmem).num_warps * 32>;
   using typename Base::Element;
