@@ -11,8 +11,19 @@ rerun this script after changing the set below:
 from __future__ import annotations
 
 import pathlib
+import re
 
-HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)  # jflash/_src/kernel_calls.py KERNEL_HEAD_DIMS
+
+def _kernel_head_dims() -> tuple[int, ...]:
+    """kKernelHeadDims of csrc/include/jflash/head_dims.h, the one list."""
+    header = pathlib.Path(__file__).resolve().parents[1] / "include" / "jflash" / "head_dims.h"
+    match = re.search(r"kKernelHeadDims\[\]\s*=\s*\{([^}]*)\}", header.read_text())
+    if match is None:
+        raise SystemExit(f"no kKernelHeadDims initializer in {header}")
+    return tuple(int(d) for d in match.group(1).split(","))
+
+
+HEAD_DIMS = _kernel_head_dims()
 DTYPES = {
     "fp16": ("cutlass::half_t", "kFloat16"),
     "bf16": ("cutlass::bfloat16_t", "kBFloat16"),

@@ -40,7 +40,7 @@ struct BwdKernel {
   bool (*accepts)(const BwdParams&) = nullptr;
 };
 
-// Registry slots; head_dim is one of 32, 64, ..., 256. Return nullptr-launch
+// Registry slots; head_dim is one of kKernelHeadDims (jflash/head_dims.h). Return nullptr-launch
 // entries for instantiations that were not compiled. SmemClass::kSmall slots
 // hold the sm80 kernels of the small-shared-memory tile column (tile_sizes.h),
 // filled only for head dims whose kLarge tile needs more than 99 KB.

@@ -2,15 +2,17 @@
 // that the instantiation files may register from their static initializers in
 // any order.
 #include "cuda/launch.h"
+#include "jflash/head_dims.h"
 
 namespace jflash::cuda {
 namespace {
 
-constexpr int kNumHeadDims = 8;  // 32, 64, ..., 256
+constexpr int kNumHeadDims = kNumKernelHeadDims;
 
+// Callers pass one of kKernelHeadDims (the handlers check KernelHeadDim first).
 int slot_index(DType dtype, int head_dim, bool banded) {
   const int dtype_index = dtype == DType::kBFloat16 ? 1 : 0;
-  return (dtype_index * kNumHeadDims + head_dim / 32 - 1) * 2 + (banded ? 1 : 0);
+  return (dtype_index * kNumHeadDims + kernel_head_dim_index(head_dim)) * 2 + (banded ? 1 : 0);
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "cuda/launch.h"
 #include "ffi/bindings.h"
 #include "ffi/params_from_ffi.h"
+#include "jflash/head_dims.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -143,7 +144,7 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
 const char* DTypeName(DType dtype) { return dtype == DType::kFloat16 ? "float16" : "bfloat16"; }
 
 bool KernelHeadDim(DType dtype, int head_dim) {
-  return dtype != DType::kFloat32 && head_dim % 32 == 0 && head_dim >= 32 && head_dim <= 256;
+  return dtype != DType::kFloat32 && kernel_head_dim_index(head_dim) >= 0;
 }
 
 // The column of the sm80 tile table for this device: kSmall where the kLarge
@@ -197,15 +198,17 @@ ffi::ErrorOr<cuda::LaunchContext> Prepare(const FwdParams& params, cudaStream_t 
         "jflash: the CUDA kernels take float16 or bfloat16; float32 inputs are cast to bfloat16 "
         "by jflash before the call (jflash/_src/kernel_calls.py)");
   }
-  if (params.head_dim % 32 != 0) {
-    return ffi::Error::InvalidArgument(
-        "jflash: the CUDA kernels need head_dim in 32, 64, ..., 256 (got " +
-        std::to_string(params.head_dim) + "); jflash pads head_dim before the call");
+  if (kernel_head_dim_index(params.head_dim) < 0) {
+    std::string dims;
+    for (int d : kKernelHeadDims) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+    return ffi::Error::InvalidArgument("jflash: the CUDA kernels need head_dim in " + dims +
+                                       " (got " + std::to_string(params.head_dim) +
+                                       "); jflash pads head_dim before the call");
   }
   // The forward kernel addresses rows inside a tile with 32-bit offsets.
   constexpr int64_t kMaxTileOffset = int64_t{1} << 31;
   for (int64_t row_stride : {params.q_row_stride, params.k_row_stride, params.v_row_stride}) {
-    if (row_stride * 256 >= kMaxTileOffset) {
+    if (row_stride * kMaxKernelHeadDim >= kMaxTileOffset) {
       return ffi::Error::InvalidArgument(
           "jflash: num_heads * head_dim is too large for the CUDA kernels (row stride " +
           std::to_string(row_stride) + " elements)");

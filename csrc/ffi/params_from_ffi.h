@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <string>
 
+#include "jflash/head_dims.h"
 #include "jflash/params.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -21,7 +22,7 @@ namespace jflash::ffi_glue {
 
 namespace ffi = xla::ffi;
 
-constexpr int kMaxHeadDim = 256;
+constexpr int kMaxHeadDim = kMaxKernelHeadDim;
 
 inline std::string DimsToString(ffi::AnyBuffer::Dimensions dims) {
   std::string s = "[";

@@ -1,6 +1,8 @@
 // Build provenance, compiled into every jflash library so that Python can
 // refuse to register handlers built against a newer XLA FFI than the running
-// jaxlib (such a handler fails to load and takes the backend down with it).
+// jaxlib (such a handler fails to load and takes the backend down with it),
+// and the facts of the build that Python must agree with (the head dims).
+#include "jflash/head_dims.h"
 #include "xla/ffi/api/c_api.h"
 
 #ifndef JFLASH_BUILD_JAXLIB_VERSION
@@ -12,3 +14,12 @@
 JFLASH_EXPORT int jflash_ffi_api_major() { return XLA_FFI_API_MAJOR; }
 JFLASH_EXPORT int jflash_ffi_api_minor() { return XLA_FFI_API_MINOR; }
 JFLASH_EXPORT const char* jflash_build_jaxlib_version() { return JFLASH_BUILD_JAXLIB_VERSION; }
+
+// The kernels' head dims (jflash/head_dims.h) for Python: writes at most
+// capacity of them to out and returns how many there are.
+JFLASH_EXPORT int jflash_kernel_head_dims(int* out, int capacity) {
+  for (int i = 0; i < jflash::kNumKernelHeadDims && i < capacity; ++i) {
+    out[i] = jflash::kKernelHeadDims[i];
+  }
+  return jflash::kNumKernelHeadDims;
+}

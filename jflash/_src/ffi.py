@@ -98,6 +98,17 @@ if _cuda_lib is not None:
     _register(_cuda_lib, "CUDA", "Cuda")
 
 HAS_CUDA_KERNELS = _cuda_lib is not None
+
+
+def _kernel_head_dims() -> tuple[int, ...]:
+    """The head dims the kernels are built for (csrc/include/jflash/head_dims.h)."""
+    capacity = 64
+    out = (ctypes.c_int * capacity)()
+    count = _cpu_lib.jflash_kernel_head_dims(out, capacity)
+    return tuple(out[: min(count, capacity)])
+
+
+KERNEL_HEAD_DIMS = _kernel_head_dims()
 """True when this build contains the CUDA kernels (they run when arrays live on a GPU)."""
 
 

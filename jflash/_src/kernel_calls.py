@@ -17,12 +17,12 @@ from jflash._src import context_parallel as _cp
 from jflash._src import ffi as _ffi
 from jflash._src import sharding
 
-# Head dims the GPU kernels are instantiated for (csrc/cuda/generate_kernels.py).
-# Other head dims are zero-padded up to the next one: zero columns of q and k
-# add nothing to q.k, and zero columns of v give output columns that are sliced
-# off. The CPU kernel takes the same padded shapes so that both platforms run
-# one traced program.
-KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+# Head dims the kernels are built for, read from the library
+# (csrc/include/jflash/head_dims.h, the one list). Other head dims are
+# zero-padded up to the next one: zero columns of q and k add nothing to q.k,
+# and zero columns of v give output columns that are sliced off. The CPU kernel
+# takes the same padded shapes so that both platforms run one traced program.
+KERNEL_HEAD_DIMS = _ffi.KERNEL_HEAD_DIMS
 
 
 def padded_head_dim(head_dim: int) -> int:

@@ -12,8 +12,10 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 
+from jflash._src import ffi as _ffi
+
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = _ffi.KERNEL_HEAD_DIMS[-1]  # larger head dims have no kernel to pad up to
 
 
 def _shape_dtype(name, x):

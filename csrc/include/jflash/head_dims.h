@@ -1,0 +1,27 @@
+// The head dims the kernels are built for: the one list. Every other head dim
+// up to the last is zero-padded up to the next entry before the call (exact:
+// zero columns add nothing to q.k, and padded output columns are sliced off).
+//
+// Its readers: csrc/cuda/generate_kernels.py writes the instantiations of the
+// entries (it parses the initializer below), the CUDA registry and handlers
+// index their kernel tables by kernel_head_dim_index, the FFI checks bound
+// head_dim by kMaxKernelHeadDim, and Python reads the list from the CPU
+// library (jflash_kernel_head_dims; jflash/_src/kernel_calls.py).
+#pragma once
+
+namespace jflash {
+
+inline constexpr int kKernelHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
+inline constexpr int kNumKernelHeadDims = sizeof(kKernelHeadDims) / sizeof(kKernelHeadDims[0]);
+inline constexpr int kMaxKernelHeadDim = kKernelHeadDims[kNumKernelHeadDims - 1];
+
+// The position of head_dim in kKernelHeadDims, or -1 where it is not an entry
+// (host code: the registry and the handlers).
+constexpr int kernel_head_dim_index(int head_dim) {
+  for (int i = 0; i < kNumKernelHeadDims; ++i) {
+    if (kKernelHeadDims[i] == head_dim) return i;
+  }
+  return -1;
+}
+
+}  // namespace jflash
