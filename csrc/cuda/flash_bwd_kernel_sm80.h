@@ -46,28 +46,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int batch = blockIdx.z;
   const int tidx = threadIdx.x;
 
-  // Keys [key0, key_end) of this CTA and the query blocks that can see them.
   const int key0 = n_block * kBlockN;
-  const int key_end = min(key0 + kBlockN, params.seqlen_k);
-  int row_lo = 0;
-  int row_hi = params.seqlen_q;
-  if constexpr (kBanded) {
-    row_lo = static_cast<int>(params.mask.row_begin(key0));
-    row_hi = static_cast<int>(params.mask.row_end(key_end, params.seqlen_q));
-  }
-  const int m_block_begin = row_lo / kBlockM;
-  const int num_m_blocks = row_lo < row_hi ? ceil_div(row_hi, kBlockM) - m_block_begin : 0;
-  // One step per (query head of the group, query block).
-  const int num_steps = num_m_blocks * params.heads_per_kv;
-  // Step i of this CTA runs (query head, query block) number (i + shift) mod
-  // num_steps: key blocks start at different query blocks, so the CTAs of one
-  // head do not all add into the same dQ rows at the same time.
-  const int step_shift = num_steps > 0 ? n_block % num_steps : 0;
-  auto step_unit = [&](int step) {
-    const int unit = step + step_shift;
-    return unit >= num_steps ? unit - num_steps : unit;
-  };
-  const int head0 = kv_head * params.heads_per_kv;
+  // The (query head, query block) pairs whose rows see this CTA's keys.
+  const KeyBlockSteps<kBlockM, kBlockN, kBanded> steps(params, n_block, kv_head);
+  const int num_steps = steps.num_steps;
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
                           typename Traits::SmemLayoutQ{});
@@ -110,9 +92,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Loads the Q or dO tile of step `step` (query head, query block).
   auto load_rows = [&](const void* base, int64_t batch_stride, int64_t row_stride,
                        int64_t head_stride, int step, auto dst) {
-    const int unit = step_unit(step);
-    const int head = head0 + unit / num_m_blocks;
-    const int m_block = m_block_begin + unit % num_m_blocks;
+    int head, m_block;
+    steps.unit(step, head, m_block);
     const Element* ptr = static_cast<const Element*>(base) + batch * batch_stride +
                          head * head_stride + int64_t{m_block} * kBlockM * row_stride;
     Tensor g = make_tensor(make_gmem_ptr(ptr), Shape<Int<kBlockM>, Int<kHeadDim>>{},
@@ -206,9 +187,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;  // query rows this thread holds
   for (int step = 0; step < num_steps; ++step) {
-    const int unit = step_unit(step);
-    const int head = head0 + unit / num_m_blocks;
-    const int row0 = (m_block_begin + unit % num_m_blocks) * kBlockM;
+    int head, m_block;
+    steps.unit(step, head, m_block);
+    const int row0 = m_block * kBlockM;
     const int64_t row_offset = (int64_t{batch} * params.num_heads + head) * params.seqlen_q;
 
     // lse (log2 domain) and delta of this thread's rows. Rows past the end and

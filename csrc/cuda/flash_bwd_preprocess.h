@@ -1,7 +1,7 @@
 // What the sm80 and the Hopper backward share: the small kernels around the
 // main one (delta = rowsum(dO * O) - dlse before it, and the float32 dQ
 // accumulator scaled and converted after it; both memory-bound grid-stride
-// loops), and the main kernels' dK, dV store.
+// loops), the main kernels' steps per key block and their dK, dV store.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -74,6 +74,44 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams pa
     *reinterpret_cast<uint2*>(dst) = packed;
   }
 }
+
+// The work of one backward CTA (a key block of a kv head): the query blocks
+// the band lets see its keys, and the (query head, query block) of each step,
+// one step per (query head of the GQA group, query block).
+template <int kBlockM, int kBlockN, bool kBanded>
+struct KeyBlockSteps {
+  int m_block_begin;
+  int num_m_blocks;
+  int num_steps;
+  int first_head;
+  int step_shift;
+
+  __device__ __forceinline__ KeyBlockSteps(const BwdParams& params, int n_block, int kv_head) {
+    const int key0 = n_block * kBlockN;
+    const int key_end = min(key0 + kBlockN, params.seqlen_k);
+    int row_lo = 0;
+    int row_hi = params.seqlen_q;
+    if constexpr (kBanded) {
+      row_lo = static_cast<int>(params.mask.row_begin(key0));
+      row_hi = static_cast<int>(params.mask.row_end(key_end, params.seqlen_q));
+    }
+    m_block_begin = row_lo / kBlockM;
+    num_m_blocks = row_lo < row_hi ? ceil_div(row_hi, kBlockM) - m_block_begin : 0;
+    num_steps = num_m_blocks * params.heads_per_kv;
+    first_head = kv_head * params.heads_per_kv;
+    // Key blocks start at different query blocks, so that the CTAs of one head
+    // do not all add into the same dQ rows at the same time.
+    step_shift = num_steps > 0 ? n_block % num_steps : 0;
+  }
+  // (query head, query block) of step i.
+  __device__ __forceinline__ void unit(int step, int& head, int& m_block) const {
+    int u = step + step_shift;
+    u = u >= num_steps ? u - num_steps : u;
+    head = first_head + u / num_m_blocks;
+    m_block = m_block_begin + u % num_m_blocks;
+  }
+};
+
 
 // dK = softmax_scale * sum dS^T Q and dV = sum P^T dO of a key block, from
 // their float32 accumulators (acc_dk is scaled in place), written once in the

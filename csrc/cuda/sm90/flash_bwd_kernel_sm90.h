@@ -56,7 +56,6 @@
 #include "cuda/flash_bwd_preprocess.h"
 #include "cuda/launch.h"
 #include "cuda/sm90/pipeline_sm90.h"
-#include "cuda/sm90/tile_scheduler_sm90.h"
 #include "cuda/sm90/traits_bwd_sm90.h"
 #include "cuda/sm90/wgmma_utils.h"
 #include "cuda/utils.h"
@@ -83,7 +82,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int n_block = blockIdx.x;
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
-  const KeyBlockStepsSm90<kBlockM, kBlockN, kBanded> steps(params, n_block, kv_head);
+  const KeyBlockSteps<kBlockM, kBlockN, kBanded> steps(params, n_block, kv_head);
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {

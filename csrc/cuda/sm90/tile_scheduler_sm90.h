@@ -1,6 +1,6 @@
-// Which work a Hopper CTA does. The forward: a static persistent schedule (the
-// host's grid size and the device's sequence of tiles, query blocks of a head,
-// per CTA). The backward: one CTA per key block, and the steps it walks.
+// The Hopper forward's static persistent schedule: the host's grid size and
+// the device's sequence of tiles (query blocks of a head) per CTA. (Both
+// backwards run one CTA per key block: KeyBlockSteps, flash_bwd_preprocess.h.)
 #pragma once
 
 #include <algorithm>
@@ -129,43 +129,6 @@ class TileSchedulerSm90 {
   int units_per_head_;
   int num_slots_;
   int first_slot_;
-};
-
-// The query blocks one key block visits, and the (query head, query block)
-// of each step: every query head of the kv head's group, each over the rows
-// the band lets see these keys.
-template <int kBlockM, int kBlockN, bool kBanded>
-struct KeyBlockStepsSm90 {
-  int m_block_begin;
-  int num_m_blocks;
-  int num_steps;
-  int first_head;
-  int step_shift;
-
-  __device__ __forceinline__ KeyBlockStepsSm90(const BwdParams& params, int n_block, int kv_head) {
-    const int key0 = n_block * kBlockN;
-    const int key_end = min(key0 + kBlockN, params.seqlen_k);
-    int row_lo = 0;
-    int row_hi = params.seqlen_q;
-    if constexpr (kBanded) {
-      row_lo = static_cast<int>(params.mask.row_begin(key0));
-      row_hi = static_cast<int>(params.mask.row_end(key_end, params.seqlen_q));
-    }
-    m_block_begin = row_lo / kBlockM;
-    num_m_blocks = row_lo < row_hi ? cute::ceil_div(row_hi, kBlockM) - m_block_begin : 0;
-    num_steps = num_m_blocks * params.heads_per_kv;
-    first_head = kv_head * params.heads_per_kv;
-    // Key blocks start at different query blocks, so that the CTAs of one head
-    // do not all add into the same dQ rows at the same time.
-    step_shift = num_steps > 0 ? n_block % num_steps : 0;
-  }
-  // (query head, query block) of step i.
-  __device__ __forceinline__ void unit(int step, int& head, int& m_block) const {
-    int u = step + step_shift;
-    u = u >= num_steps ? u - num_steps : u;
-    head = first_head + u / num_m_blocks;
-    m_block = m_block_begin + u % num_m_blocks;
-  }
 };
 
 }  // namespace jflash::cuda::sm90
