@@ -154,35 +154,37 @@ cuda::SmemClass Sm80Column(int large_tile_smem, bool has_small_tile, const Devic
                                                                : cuda::SmemClass::kLarge;
 }
 
-// The forward kernel for a call: on compute capability 9.0 the Hopper kernel
-// where it was built for this (dtype, head dim, mask), fits the shared-memory
-// limit and takes the call (params == nullptr: assume it does), else the sm80
-// kernel of the device's tile column, which computes the same result
-// everywhere. launch == nullptr when the kernel it needs was not built.
+// Whether a family's Hopper kernel takes a call: compute capability 9.0, the
+// family not forced to sm80, the kernel built for this (dtype, head dim,
+// mask), within the shared-memory limit, and accepting the call's tensors
+// (params == nullptr: assume it does).
+template <typename Kernel, typename Params>
+bool HopperTakes(const Kernel& hopper, const DeviceInfo& info, FamilyChoice choice,
+                 const Params* params) {
+  return info.is_sm90 && choice == FamilyChoice::kAuto && hopper.launch != nullptr &&
+         hopper.smem_bytes <= smem_limit(info) &&
+         (params == nullptr || hopper.accepts == nullptr || hopper.accepts(*params));
+}
+
+// The forward kernel for a call: the Hopper kernel where it takes the call,
+// else the sm80 kernel of the device's tile column, which computes the same
+// result everywhere. launch == nullptr when the kernel it needs was not built.
 cuda::FwdKernel SelectForward(const DeviceInfo& info, FamilyChoice choice, DType dtype,
                               int head_dim, bool banded, const FwdParams* params) {
   if (!KernelHeadDim(dtype, head_dim)) return {};
   const cuda::FwdKernel& hopper = cuda::sm90_fwd_kernel_slot(dtype, head_dim, banded);
-  if (info.is_sm90 && choice == FamilyChoice::kAuto && hopper.launch != nullptr &&
-      hopper.smem_bytes <= smem_limit(info) &&
-      (params == nullptr || hopper.accepts == nullptr || hopper.accepts(*params))) {
-    return hopper;
-  }
+  if (HopperTakes(hopper, info, choice, params)) return hopper;
   const auto column = Sm80Column(cuda::fwd_smem_bytes(cuda::fwd_tile(head_dim), head_dim),
                                  cuda::has_small_fwd_tile(head_dim), info);
   return cuda::fwd_kernel_slot(dtype, head_dim, banded, column);
 }
 
-// The backward kernel for a call, chosen as SelectForward chooses.
+// The backward kernel for a call, chosen the same way.
 cuda::BwdKernel SelectBackward(const DeviceInfo& info, FamilyChoice choice, DType dtype,
                                int head_dim, bool banded, const BwdParams* params) {
   if (!KernelHeadDim(dtype, head_dim)) return {};
   const cuda::BwdKernel& hopper = cuda::sm90_bwd_kernel_slot(dtype, head_dim, banded);
-  if (info.is_sm90 && choice == FamilyChoice::kAuto && hopper.launch != nullptr &&
-      hopper.smem_bytes <= smem_limit(info) &&
-      (params == nullptr || hopper.accepts == nullptr || hopper.accepts(*params))) {
-    return hopper;
-  }
+  if (HopperTakes(hopper, info, choice, params)) return hopper;
   const auto column = Sm80Column(cuda::bwd_smem_bytes(cuda::bwd_tile(head_dim), head_dim),
                                  cuda::has_small_bwd_tile(head_dim), info);
   return cuda::bwd_kernel_slot(dtype, head_dim, banded, column);
