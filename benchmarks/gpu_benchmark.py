@@ -29,14 +29,19 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-IMPLS = ("jflash", "cudnn", "xla")
+# jflash_det: flash_attention(..., deterministic=True), whose backward adds dq
+# in key-block order (run when asked for: --impls jflash,jflash_det,cudnn).
+IMPLS = ("jflash", "jflash_det", "cudnn", "xla")
+DEFAULT_IMPLS = ("jflash", "cudnn", "xla")
 PAPER_HEAD_DIMS = (64, 128, 256)
 PAPER_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK = dict(head_dims=[128], seqs=[1024, 4096, 16384])
 
 # Rough rates, only to pick how many calls one timed loop chains (~--target-ms per
 # repeat); a wrong guess changes the loop length, not the measurement.
-_ASSUMED_FLOPS_PER_S = {"gpu": {"jflash": 4e14, "cudnn": 4e14, "xla": 1e14}, "cpu": 3e10}
+_ASSUMED_FLOPS_PER_S = {
+    "gpu": {"jflash": 4e14, "jflash_det": 4e14, "cudnn": 4e14, "xla": 1e14}, "cpu": 3e10
+}
 
 
 class Unavailable(Exception):
@@ -46,12 +51,13 @@ class Unavailable(Exception):
 def attention_fn(impl, causal, platform):
     import jax
 
-    if impl == "jflash":
+    if impl in ("jflash", "jflash_det"):
         import jflash
 
         if platform == "gpu" and not jflash.HAS_CUDA_KERNELS:
             raise Unavailable("this jflash build has no CUDA kernels (built with JFLASH_CUDA=OFF?)")
-        return lambda q, k, v: jflash.flash_attention(q, k, v, causal=causal)
+        det = impl == "jflash_det"
+        return lambda q, k, v: jflash.flash_attention(q, k, v, causal=causal, deterministic=det)
     if impl == "cudnn":
         if platform != "gpu":
             raise Unavailable(f"cuDNN attention needs a CUDA GPU; running on {platform}")
@@ -141,6 +147,7 @@ def summary_table(records):
         key = (r["head_dim"], r["seq"], r["causal"], r["mode"])
         rows.setdefault(key, {"batch": r["batch"], "heads": r["heads"]})[r["impl"]] = r
     table, notes = [], {}  # note text -> rows it applies to
+    with_det = any(r["impl"] == "jflash_det" for r in records)
     for (head_dim, seq, causal, mode), cell in rows.items():
         def tf(impl):
             r = cell.get(impl)
@@ -160,10 +167,19 @@ def summary_table(records):
             errors = (cell.get(impl) or {}).get("rel_err")
             return f"{max(errors.values()):.1e}" if errors else None
 
-        table.append([head_dim, seq, cell["batch"], cell["heads"], "yes" if causal else "no", mode,
-                      tf("jflash"), tf("cudnn"), tf("xla"), ratio, err("jflash"), err("cudnn")])
+        row = [head_dim, seq, cell["batch"], cell["heads"], "yes" if causal else "no", mode,
+               tf("jflash"), tf("cudnn"), tf("xla"), ratio, err("jflash"), err("cudnn")]
+        if with_det:
+            d = cell.get("jflash_det")
+            det_ratio = None
+            if j and d and j["status"] == d["status"] == "ok":
+                det_ratio = f"{d['tflops'] / j['tflops']:.2f}"
+            row += [tf("jflash_det"), det_ratio]
+        table.append(row)
     headers = ["D", "seq", "B", "H", "causal", "mode", "jflash", "cudnn", "xla",
                "jflash/cudnn", "jflash err", "cudnn err"]
+    if with_det:
+        headers += ["jflash det", "det/jflash"]
     lines = []
     for text, where in notes.items():
         scope = where[0] if len(where) == 1 else f"{len(where)} rows, first {where[0]}"
@@ -177,7 +193,8 @@ def main(argv=None):
     parser.add_argument("--seqs", type=int, nargs="+", default=list(PAPER_SEQS))
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     parser.add_argument("--modes", default="fwd,fwdbwd", help="comma list of fwd,fwdbwd")
-    parser.add_argument("--impls", default=",".join(IMPLS), help="comma list of jflash,cudnn,xla")
+    parser.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
+                        help="comma list of " + ",".join(IMPLS))
     parser.add_argument("--quick", action="store_true",
                         help="head dim 128, seq 1k/4k/16k (overrides --head-dims/--seqs)")
     parser.add_argument("--tokens", type=int, default=16384, help="batch = tokens / seq")

@@ -145,7 +145,7 @@ def _kernel_call(call):
         pytest.skip(f"instantiation not compiled in: {str(e).splitlines()[0][:200]}")
 
 
-def _check_against_reference(rng, case, dtype, scale=None):
+def _check_against_reference(rng, case, dtype, scale=None, deterministic=False):
     """out, lse and the three gradients within the 2x rule; masked rows exact."""
     b, sq, sk, h, hkv, d, lo, hi = case
     if lo is None:
@@ -160,7 +160,10 @@ def _check_against_reference(rng, case, dtype, scale=None):
     kw = dict(softmax_scale=scale, diag_lo=lo, diag_hi=hi)
 
     got = _kernel_call(
-        lambda: _run(lambda q, k, v: attention_band(q, k, v, **kw), q, k, v, g_out, g_lse)
+        lambda: _run(
+            lambda q, k, v: attention_band(q, k, v, deterministic=deterministic, **kw),
+            q, k, v, g_out, g_lse,
+        )
     )
     truth = _run(lambda q, k, v: reference_band(q, k, v, **kw), q, k, v, g_out, g_lse)
     plain = _run(lambda q, k, v: reference_band(q, k, v, dtype=dtype, **kw), q, k, v, g_out, g_lse)
@@ -310,6 +313,44 @@ def test_repeatable(rng):
     for _ in range(3):
         again = fn(q, k)
         assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(first, again))
+
+
+# Deterministic mode (dq added in key-block order): many key blocks per query
+# block, so that the default order varies between runs; GQA groups walked by
+# one CTA; bands whose first key block differs per query block; the Hopper
+# backward (head dims 64, 128) and the sm80 one (256).
+DETERMINISTIC_CASES = [
+    (2, 2048, 2048, 8, 2, 128, None, None),
+    (1, 1500, 2000, 8, 8, 128, -1500, 2000 - 1500),  # bottom-right causal
+    (1, 1000, 1000, 8, 1, 64, -300, 20),  # window, MQA
+    (1, 777, 1025, 16, 4, 128, -700, 30),  # window; a last key block of one key
+    (1, 1024, 1536, 4, 2, 256, None, None),
+    (1, 900, 900, 4, 4, 256, -900, 0),  # causal
+]
+
+
+@pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=_case_id)
+def test_deterministic_gradients(rng, case):
+    """deterministic=True: within the 2x rule, and bitwise the same gradients every run."""
+    _check_against_reference(rng, case, jnp.bfloat16, deterministic=True)
+    b, sq, sk, h, hkv, d, lo, hi = case
+    if lo is None:
+        lo, hi = -sq, sk
+    kw = dict(softmax_scale=d**-0.5, diag_lo=lo, diag_hi=hi, deterministic=True)
+    q = jnp.asarray(rng.standard_normal((b, sq, h, d)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), jnp.bfloat16)
+    g_out = jnp.asarray(rng.standard_normal((b, sq, h, d)), jnp.float32)
+
+    def loss(q, k, v):
+        return jnp.sum(attention_band(q, k, v, **kw)[0].astype(jnp.float32) * g_out)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    first = [np.asarray(g) for g in _kernel_call(lambda: grad(q, k, v))]
+    for _ in range(8):
+        again = grad(q, k, v)
+        for name, a, b_ in zip(("dq", "dk", "dv"), first, again):
+            assert np.array_equal(a, np.asarray(b_)), f"{name} differs between runs"
 
 
 def _is_hopper():

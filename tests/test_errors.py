@@ -77,6 +77,7 @@ def test_not_an_array():
     [
         (dict(causal="yes"), TypeError, "causal must be a bool"),
         (dict(return_lse=1), TypeError, "return_lse must be a bool"),
+        (dict(deterministic=1), TypeError, "deterministic must be a bool"),
         (dict(softmax_scale="0.1"), TypeError, "softmax_scale must be"),
         (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
         # Finite as a Python float, not as the float32 the kernels receive.

@@ -226,3 +226,51 @@ def test_window_size_matches_jax_nn(rng, window):
     got = jflash.flash_attention(q, k, v, window_size=window)
     want = jax.nn.dot_product_attention(q, k, v, local_window_size=window, implementation="xla")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic_mode(rng, causal):
+    """deterministic=True: gradients within the 2x rule, equal to the default
+    mode's on CPU (whose backward is deterministic either way) and, through
+    the drop-in, to flash_attention's. Bitwise repeatability on GPU is
+    test_cuda_specific.py's test_deterministic_gradients."""
+    shape = (2, 300, 500, 4, 2, 64)
+    q, k, v = _inputs(rng, shape, jnp.bfloat16)
+    dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+    scale = 1 / np.sqrt(shape[5])
+
+    def grads(fn):
+        _, vjp = jax.vjp(fn, q, k, v)
+        return vjp(dout)
+
+    default = grads(lambda q, k, v: jflash.flash_attention(q, k, v, causal=causal))
+    ordered = grads(
+        lambda q, k, v: jflash.flash_attention(q, k, v, causal=causal, deterministic=True)
+    )
+    lo, hi = causal_band(shape[1], shape[2], causal)
+    truth = reference64.backward(
+        *_truth_inputs(q, k, v, dout), np.zeros((2, 4, 300)), scale, lo, hi
+    )
+    plain = grads(
+        lambda q, k, v: reference_band(
+            q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi, dtype=plain_dtype(jnp.bfloat16)
+        )[0]
+    )
+    for name, a, b, p, t in zip(("dq", "dk", "dv"), default, ordered, plain, truth):
+        assert_within_rule(name, b, p, t, jnp.bfloat16)
+        if jax.default_backend() == "cpu":
+            assert np.array_equal(np.asarray(a), np.asarray(b)), name
+
+    # The drop-in's causal mask is top-left: the same band when seq_q == seq_k.
+    ks, vs = k[:, :300], v[:, :300]
+    square = [
+        jax.vjp(fn, q, ks, vs)[1](dout)
+        for fn in (
+            lambda q, k, v: jflash.flash_attention(q, k, v, causal=causal, deterministic=True),
+            lambda q, k, v: jflash.dot_product_attention(
+                q, k, v, is_causal=causal, deterministic=True
+            ),
+        )
+    ]
+    for name, a, b in zip(("dq", "dk", "dv"), *square):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), name

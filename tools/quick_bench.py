@@ -75,6 +75,8 @@ def main():
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
                 impls = {
                     "jflash": lambda q, k, v, c=causal: jflash.flash_attention(q, k, v, causal=c),
+                    "jflash_det": lambda q, k, v, c=causal: jflash.flash_attention(
+                        q, k, v, causal=c, deterministic=True),
                     "cudnn": lambda q, k, v, c=causal: jax.nn.dot_product_attention(
                         q, k, v, is_causal=c, implementation="cudnn"),
                 }

@@ -5,7 +5,7 @@ and one banded call (with fully masked rows), per head dim and dtype given:
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool memcheck \
       python3 -P tools/sanitizer_driver.py [--head-dims 128 192 256] \
-      [--dtypes bfloat16 float16]
+      [--dtypes bfloat16 float16] [--deterministic]
 
 A second shape has more work units than the GPU has SMs (each persistent CTA
 of the Hopper forward then runs several units back to back), with a
@@ -33,6 +33,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16"])
+    parser.add_argument("--deterministic", action="store_true",
+                        help="the backward's deterministic mode (dq added in key-block order)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     scale = 0.1
@@ -55,7 +57,8 @@ def main():
             v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
             for lo, hi in bands:
                 def loss(q, k, v, lo=lo, hi=hi):
-                    out, lse = attention_band(q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi)
+                    out, lse = attention_band(q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi,
+                                              deterministic=args.deterministic)
                     return jnp.sum(out.astype(jnp.float32)) + jnp.sum(
                         jnp.where(jnp.isfinite(lse), lse, 0))
 

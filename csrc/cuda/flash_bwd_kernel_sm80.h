@@ -8,7 +8,8 @@
 //        S  = Q K^T,  P = exp2(S * scale_log2 - lse * log2 e)
 //        dP = dO V^T, dS = P * (dP - delta)
 //        dV += P^T dO,  dK += dS^T Q      (registers, summed over the group)
-//        dQ_accum += dS K                 (float32 atomics)
+//        dQ_accum += dS K                 (float32 atomics; in key-block
+//                                          order in deterministic mode)
 //      dK (times softmax_scale) and dV written once per kv head.
 //   3. dq = softmax_scale * dQ_accum, cast and transposed to [b, s, h, d].
 //
@@ -50,6 +51,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // The (query head, query block) pairs whose rows see this CTA's keys.
   const KeyBlockSteps<kBlockM, kBlockN, kBanded> steps(params, n_block, kv_head);
   const int num_steps = steps.num_steps;
+  static_assert(kBlockM >= kDqSemaphoreRows);  // deterministic mode's counters fit
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
                           typename Traits::SmemLayoutQ{});
@@ -186,6 +188,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
 
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;  // query rows this thread holds
+  // Deterministic mode's counter of a step's dQ tile, recomputed where used
+  // rather than kept live through the step (the kernel is at its register limit).
+  auto step_dq_semaphore = [&](int step) {
+    int head, m_block;
+    steps.unit(step, head, m_block);
+    return dq_semaphore_at(params, batch, head, m_block, 0, 1);
+  };
   for (int step = 0; step < num_steps; ++step) {
     int head, m_block;
     steps.unit(step, head, m_block);
@@ -279,6 +288,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq, smem_tiled_copy_dS,
             smem_thr_copy_dS, smem_tiled_copy_Kt, smem_thr_copy_Kt);
     float* dq_accum = params.dq_accum + row_offset * kHeadDim;
+    // Deterministic mode: the earlier key blocks of this query block add first.
+    if (steps.ordered()) {
+      if (tidx == 0) {
+        dq_semaphore_wait(step_dq_semaphore(step), n_block - steps.first_key_block(params, m_block));
+      }
+      __syncthreads();
+    }
     // Fragment elements 2i, 2i+1 are adjacent columns: one 8-byte atomic on sm90.
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dq); i += 2) {
@@ -292,6 +308,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         atomicAdd(dst + 1, acc_dq(i + 1));
 #endif
       }
+    }
+    if (steps.ordered()) {
+      __threadfence();  // this thread's additions, visible on the GPU
+      __syncthreads();  // ... for every thread
+      if (tidx == 0) dq_semaphore_signal(step_dq_semaphore(step));
     }
   }
 

@@ -78,12 +78,23 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams pa
 // The work of one backward CTA (a key block of a kv head): the query blocks
 // the band lets see its keys, and the (query head, query block) of each step,
 // one step per (query head of the GQA group, query block).
+//
+// Deterministic mode (params.dq_semaphore set) adds each dQ tile in key-block
+// order: the CTA of key block n adds into query block m only after the blocks
+// first_key_block(m) .. n - 1 have (dq_semaphore_wait below). Every CTA walks
+// its steps in one common order, query blocks from the last down and query
+// heads inside: the band's query-block ranges [begin, end) grow with n, so the
+// CTA of block n - 1 reaches each (head, query block) at the same step as the
+// CTA of block n or an earlier one, and a CTA waits at most about one step for
+// its predecessor instead of a chain of waits.
 template <int kBlockM, int kBlockN, bool kBanded>
 struct KeyBlockSteps {
   int m_block_begin;
   int num_m_blocks;
   int num_steps;
   int first_head;
+  // The first step's offset into the default order; -1: the deterministic
+  // order. (No further members: the sm80 kernel is at its register limit.)
   int step_shift;
 
   __device__ __forceinline__ KeyBlockSteps(const BwdParams& params, int n_block, int kv_head) {
@@ -101,17 +112,55 @@ struct KeyBlockSteps {
     first_head = kv_head * params.heads_per_kv;
     // Key blocks start at different query blocks, so that the CTAs of one head
     // do not all add into the same dQ rows at the same time.
-    step_shift = num_steps > 0 ? n_block % num_steps : 0;
+    step_shift = params.dq_semaphore != nullptr ? -1 : (num_steps > 0 ? n_block % num_steps : 0);
   }
+  // Whether dQ is added in key-block order (deterministic mode).
+  __device__ __forceinline__ bool ordered() const { return step_shift < 0; }
   // (query head, query block) of step i.
   __device__ __forceinline__ void unit(int step, int& head, int& m_block) const {
+    if (ordered()) {
+      const int heads_per_kv = num_steps / num_m_blocks;
+      head = first_head + step % heads_per_kv;
+      m_block = m_block_begin + num_m_blocks - 1 - step / heads_per_kv;
+      return;
+    }
     int u = step + step_shift;
     u = u >= num_steps ? u - num_steps : u;
     head = first_head + u / num_m_blocks;
     m_block = m_block_begin + u % num_m_blocks;
   }
+
+  // The first key block that visits query block m_block: the one holding the
+  // first key that the block's first row sees (rows see keys from further
+  // right as they go down). Every key block from it to one that visits
+  // m_block visits it too: a key block's row range only grows with it.
+  __device__ __forceinline__ static int first_key_block(const BwdParams& params, int m_block) {
+    if constexpr (!kBanded) return 0;
+    return static_cast<int>(params.mask.key_begin(int64_t{m_block} * kBlockM) / kBlockN);
+  }
 };
 
+// Deterministic mode's counters (params.dq_semaphore): slot `slice` of query
+// block m_block of (batch, head). A CTA waits until every earlier key block
+// that visits the block has added its dQ tile, adds its own, and then counts
+// itself in.
+__device__ __forceinline__ int* dq_semaphore_at(const BwdParams& params, int batch, int head,
+                                                int m_block, int slice, int slices) {
+  return params.dq_semaphore +
+         (int64_t{batch} * params.num_heads + head) * dq_semaphore_slots(params.seqlen_q) +
+         m_block * slices + slice;
+}
+// Not inlined: the spin loop stays out of the callers' register allocation
+// (the sm80 backward is at its register limit), and runs only in deterministic mode.
+__device__ __noinline__ void dq_semaphore_wait(const int* semaphore, int count) {
+  int value;
+  do {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(semaphore) : "memory");
+  } while (value != count);
+}
+__device__ __forceinline__ void dq_semaphore_signal(int* semaphore) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
+}
 
 // dK = softmax_scale * sum dS^T Q and dV = sum P^T dO of a key block, from
 // their float32 accumulators (acc_dk is scaled in place), written once in the
@@ -143,8 +192,9 @@ __device__ __forceinline__ void store_dk_dv(AccDK& acc_dk, AccDV const& acc_dv,
   }
 }
 
-// Before the main kernel: dq_accum zeroed (the main kernels add into it) and
-// delta computed. Grid-stride kernels: a few waves of CTAs saturate bandwidth.
+// Before the main kernel: dq_accum zeroed (the main kernels add into it), the
+// deterministic mode's counters zeroed, and delta computed. Grid-stride
+// kernels: a few waves of CTAs saturate bandwidth.
 template <typename Element, int kHeadDim>
 cudaError_t launch_bwd_preprocess(const BwdParams& params, const LaunchContext& ctx) {
   const int64_t rows = int64_t{params.batch} * params.num_heads * params.seqlen_q;
@@ -153,6 +203,14 @@ cudaError_t launch_bwd_preprocess(const BwdParams& params, const LaunchContext& 
           cudaMemsetAsync(params.dq_accum, 0, rows * kHeadDim * sizeof(float), ctx.stream);
       err != cudaSuccess) {
     return err;
+  }
+  if (params.dq_semaphore != nullptr) {
+    const int64_t count =
+        int64_t{params.batch} * params.num_heads * dq_semaphore_slots(params.seqlen_q);
+    if (cudaError_t err = cudaMemsetAsync(params.dq_semaphore, 0, count * sizeof(int), ctx.stream);
+        err != cudaSuccess) {
+      return err;
+    }
   }
   flash_bwd_delta_kernel<Element, kHeadDim><<<ctx.sm_count * 8, 256, 0, ctx.stream>>>(params);
   return cudaGetLastError();

@@ -267,10 +267,12 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::AnyBuffer dlse, ffi::Result<ffi::AnyBuffer> dq,
                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                    ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta,
-                   float softmax_scale, int64_t diag_lo, int64_t diag_hi) {
+                   ffi::Result<ffi::AnyBuffer> dq_semaphore, float softmax_scale,
+                   int64_t diag_lo, int64_t diag_hi) {
   BwdParams params;
   if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, *dq, *dk, *dv, *dq_accum,
-                                         *delta, softmax_scale, diag_lo, diag_hi, &params);
+                                         *delta, *dq_semaphore, softmax_scale, diag_lo, diag_hi,
+                                         &params);
       err.failure()) {
     return err;
   }

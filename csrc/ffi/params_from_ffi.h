@@ -137,7 +137,7 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
                                 ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
                                 ffi::AnyBuffer dlse, ffi::AnyBuffer dq, ffi::AnyBuffer dk,
                                 ffi::AnyBuffer dv, ffi::AnyBuffer dq_accum, ffi::AnyBuffer delta,
-                                float softmax_scale, int64_t diag_lo, int64_t diag_hi,
+                                ffi::AnyBuffer dq_semaphore, float softmax_scale, int64_t diag_lo, int64_t diag_hi,
                                 BwdParams* p, bool uses_dq_accum = true) {
   if (auto err = FillFwdParams(q, k, v, out, lse, softmax_scale, diag_lo, diag_hi, p);
       err.failure()) {
@@ -162,6 +162,14 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
       dq_accum.element_type() != ffi::DataType::F32 || !dq_accum_ok) {
     return ffi::Error::InvalidArgument("jflash: bad dlse, delta or dq_accum buffer");
   }
+  // dq_semaphore: empty (dQ additions in any order) or one int32 counter per
+  // slot of params.h's dq_semaphore_slots (deterministic mode).
+  const int64_t semaphores =
+      int64_t{p->batch} * p->num_heads * dq_semaphore_slots(p->seqlen_q);
+  if (dq_semaphore.element_type() != ffi::DataType::S32 ||
+      (dq_semaphore.element_count() != 0 && dq_semaphore.element_count() != semaphores)) {
+    return ffi::Error::InvalidArgument("jflash: bad dq_semaphore buffer");
+  }
   p->dout = dout.untyped_data();
   p->dlse = static_cast<const float*>(dlse.untyped_data());
   p->dq = dq.untyped_data();
@@ -169,6 +177,9 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   p->dv = dv.untyped_data();
   p->dq_accum = uses_dq_accum ? static_cast<float*>(dq_accum.untyped_data()) : nullptr;
   p->delta = static_cast<float*>(delta.untyped_data());
+  p->dq_semaphore = uses_dq_accum && dq_semaphore.element_count() > 0
+                        ? static_cast<int*>(dq_semaphore.untyped_data())
+                        : nullptr;
   p->dout_batch_stride = p->out_batch_stride;
   p->dout_row_stride = p->out_row_stride;
   p->dout_head_stride = p->out_head_stride;

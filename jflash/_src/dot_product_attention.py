@@ -149,6 +149,7 @@ def dot_product_attention(
     local_window_size=None,
     implementation=None,
     return_residual=False,
+    deterministic=False,
 ):
     """jax.nn.dot_product_attention, computed by the jflash kernels where they apply.
 
@@ -168,6 +169,10 @@ def dot_product_attention(
         cannot run. "xla" or "cudnn": passed to jax.nn.dot_product_attention
         unchanged. On GPU, jflash computes float32 inputs at bfloat16 precision
         with float32 accumulation (README); pass "xla" for float32 matmuls.
+      deterministic: a jflash extension (jax.nn has no such argument): if True,
+        the jflash kernels' gradients are bit-identical from run to run (see
+        jflash.flash_attention). Calls that go to jax's own function are not
+        affected.
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
@@ -190,6 +195,7 @@ def dot_product_attention(
             return_residual=return_residual,
         )
 
+    deterministic = validation.check_bool("deterministic", deterministic)
     if implementation in ("xla", "cudnn"):
         return jax_attention(implementation)
     q, k, v = (jnp.asarray(x) for x in (query, key, value))
@@ -210,7 +216,8 @@ def dot_product_attention(
     diag_lo, diag_hi = _band(seqlen_q, seqlen_k, bool(is_causal), window)
     softmax_scale = 1.0 / np.sqrt(head_dim) if scale is None else _static_scale(scale)
     out, lse = attention_band(
-        q, k, v, softmax_scale=float(softmax_scale), diag_lo=diag_lo, diag_hi=diag_hi
+        q, k, v, softmax_scale=float(softmax_scale), diag_lo=diag_lo, diag_hi=diag_hi,
+        deterministic=deterministic,
     )
     empty = _rows_without_keys(seqlen_q, seqlen_k, diag_lo, diag_hi)
     if empty.any():

@@ -16,7 +16,7 @@ import jax
 import jaxlib
 
 FWD_TARGET = "jflash_fwd_v1"
-BWD_TARGET = "jflash_bwd_v1"
+BWD_TARGET = "jflash_bwd_v2"
 
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent
 _CPU_LIBRARY = "libjflash_cpu.so"

@@ -74,20 +74,20 @@ def _forward(q, k, v, softmax_scale, diag_lo, diag_hi, cp):
     )
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8, 9, 10))
-def _backward(q, k, v, out, dout, lse, dlse, softmax_scale, diag_lo, diag_hi, cp):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _backward(q, k, v, out, dout, lse, dlse, softmax_scale, diag_lo, diag_hi, cp, deterministic):
     return kernel_calls.bwd(
         q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=diag_lo,
-        diag_hi=diag_hi, context_parallel=cp,
+        diag_hi=diag_hi, context_parallel=cp, deterministic=deterministic,
     )
 
 
-def _no_second_order(softmax_scale, diag_lo, diag_hi, cp, primals, tangents):
+def _no_second_order(*args):
     # The custom_vjp below (_attention) gives first derivatives. A second derivative
     # differentiates the kernel calls themselves (the forward's under the outer
     # transform, or the backward's), which would otherwise fail deep inside jax
     # ("Differentiation rule for 'custom_partitioning' not implemented").
-    del softmax_scale, diag_lo, diag_hi, cp, primals, tangents
+    del args
     raise NotImplementedError(SECOND_ORDER_UNSUPPORTED)
 
 
@@ -95,19 +95,22 @@ _forward.defjvp(_no_second_order)
 _backward.defjvp(_no_second_order)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _attention(q, k, v, softmax_scale, diag_lo, diag_hi, cp):
+# deterministic: the backward's gradients bit-identical from run to run.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _attention(q, k, v, softmax_scale, diag_lo, diag_hi, cp, deterministic):
+    del deterministic
     return _forward(q, k, v, softmax_scale, diag_lo, diag_hi, cp)
 
 
-def _attention_fwd(q, k, v, softmax_scale, diag_lo, diag_hi, cp):
+def _attention_fwd(q, k, v, softmax_scale, diag_lo, diag_hi, cp, deterministic):
+    del deterministic
     out, lse = _forward(q, k, v, softmax_scale, diag_lo, diag_hi, cp)
     out = checkpoint_name(out, OUT_NAME)
     lse = checkpoint_name(lse, LSE_NAME)
     return (out, lse), (q, k, v, out, lse)
 
 
-def _attention_bwd(softmax_scale, diag_lo, diag_hi, cp, residuals, cotangents):
+def _attention_bwd(softmax_scale, diag_lo, diag_hi, cp, deterministic, residuals, cotangents):
     q, k, v, out, lse = residuals
     dout, dlse = cotangents
     return _backward(
@@ -122,14 +125,18 @@ def _attention_bwd(softmax_scale, diag_lo, diag_hi, cp, residuals, cotangents):
         diag_lo,
         diag_hi,
         cp,
+        deterministic,
     )
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi):
+def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, deterministic=False):
     """Attention with the band mask diag_lo <= j - i <= diag_hi; returns (out, lse).
+
+    deterministic: the gradients are bit-identical from run to run (see
+    flash_attention).
 
     Positions i, j are true token positions: under
     jflash.context_parallel.sequence_layout("zigzag", n) the sequence axis holds
@@ -147,7 +154,9 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi):
         pad = [(0, 0), (0, 0), (0, 0), (0, kernel_head_dim - head_dim)]
         query, key, value = (jnp.pad(x, pad) for x in (query, key, value))
     cp = context_parallel.current_config()
-    out, lse = _attention(query, key, value, float(softmax_scale), diag_lo, diag_hi, cp)
+    out, lse = _attention(
+        query, key, value, float(softmax_scale), diag_lo, diag_hi, cp, bool(deterministic)
+    )
     if kernel_head_dim != head_dim:
         out = out[..., :head_dim]
     return out, lse
@@ -168,7 +177,7 @@ def resolve_arguments(query, key, value, causal, softmax_scale, return_lse, wind
 
 
 def flash_attention(query, key, value, *, causal=False, softmax_scale=None, return_lse=False,
-                    window_size=None):
+                    window_size=None, deterministic=False):
     """Exact attention, computed tile by tile without a seq_q x seq_k buffer.
 
     Args:
@@ -188,6 +197,11 @@ def flash_attention(query, key, value, *, causal=False, softmax_scale=None, retu
         seq_q + right; -1 (or None) leaves a side unbounded; with causal=True
         the right side is 0. Runs on the same band-masked kernels as causal,
         which skip the key tiles outside the window.
+      deterministic: if True, the gradients are bit-identical from run to run
+        on the same device and inputs. The CUDA backward then adds each query
+        block's dq contributions in key-block order instead of as they come
+        (a cost measured in the README); the CPU backward is deterministic
+        either way. The forward is always deterministic.
 
     Returns:
       out with the shape and dtype of query, or (out, lse).
@@ -195,7 +209,9 @@ def flash_attention(query, key, value, *, causal=False, softmax_scale=None, retu
     softmax_scale, diag_lo, diag_hi, return_lse = resolve_arguments(
         query, key, value, causal, softmax_scale, return_lse, window_size
     )
+    deterministic = validation.check_bool("deterministic", deterministic)
     out, lse = attention_band(
-        query, key, value, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi
+        query, key, value, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
+        deterministic=deterministic,
     )
     return (out, lse) if return_lse else out

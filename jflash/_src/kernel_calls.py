@@ -61,12 +61,23 @@ def _fwd_ffi(q, k, v, *, softmax_scale, diag_lo, diag_hi):
     )
 
 
-def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, on_cpu):
+# Deterministic mode's int32 counters per (batch, head): two per 32 query rows
+# (csrc/include/jflash/params.h, dq_semaphore_slots).
+_DQ_SEMAPHORE_ROWS = 32
+
+
+def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, on_cpu,
+             deterministic=False):
     *lead, seqlen_q, num_heads, head_dim = q.shape
     f32 = jnp.float32
     # The CUDA kernels accumulate dq in a float32 scratch; the CPU kernel keeps
     # each dq tile in its task's memory, so on CPU the handler takes an empty one.
     dq_accum_shape = (0,) if on_cpu else (*lead, num_heads, seqlen_q, head_dim)
+    # Deterministic mode: counters that order the CUDA kernels' dq additions by
+    # key block. Their presence is the switch; the CPU kernel is deterministic
+    # by construction and takes an empty buffer.
+    slots = 2 * -(-seqlen_q // _DQ_SEMAPHORE_ROWS)
+    semaphore_shape = (*lead, num_heads, slots) if deterministic and not on_cpu else (0,)
     call = jax.ffi.ffi_call(
         _ffi.BWD_TARGET,
         (
@@ -77,10 +88,11 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
             # never call cudaMalloc and stay CUDA-graph safe.
             jax.ShapeDtypeStruct(dq_accum_shape, f32),  # dq_accum
             jax.ShapeDtypeStruct((*lead, num_heads, seqlen_q), f32),  # delta
+            jax.ShapeDtypeStruct(semaphore_shape, jnp.int32),  # dq_semaphore
         ),
         vmap_method="broadcast_all",
     )
-    dq, dk, dv, _, _ = call(
+    dq, dk, dv, _, _, _ = call(
         q,
         k,
         v,
@@ -106,15 +118,16 @@ def fwd_band_call(softmax_scale):
     return call
 
 
-def bwd_band_call(softmax_scale, *, on_cpu):
+def bwd_band_call(softmax_scale, *, on_cpu, deterministic=False):
     """call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi) -> (dq, dk, dv);
-    on_cpu: the CPU branch of bwd (no dq scratch)."""
+    on_cpu: the CPU branch of bwd (no dq scratch); deterministic: dq bit-identical
+    from run to run."""
 
     def call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi):
         lo, hi = clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
         return _bwd_ffi(
             q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi,
-            on_cpu=on_cpu,
+            on_cpu=on_cpu, deterministic=deterministic,
         )
 
     return call
@@ -129,10 +142,11 @@ def _fwd_body(q, k, v, *, softmax_scale, diag_lo, diag_hi, context_parallel):
 
 
 def _bwd_body(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi,
-              context_parallel, on_cpu):
+              context_parallel, on_cpu, deterministic):
     return _cp.full_sequence_bwd(
         q, k, v, out, dout, lse, dlse, diag_lo=diag_lo, diag_hi=diag_hi,
-        config=context_parallel, call=bwd_band_call(softmax_scale, on_cpu=on_cpu),
+        config=context_parallel,
+        call=bwd_band_call(softmax_scale, on_cpu=on_cpu, deterministic=deterministic),
     )
 
 
@@ -172,10 +186,15 @@ def fwd(q, k, v, *, softmax_scale, diag_lo, diag_hi, context_parallel=_cp.DEFAUL
 
 
 def bwd(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi,
-        context_parallel=_cp.DEFAULT_CONFIG):
-    """(dq, dk, dv) in the input dtype, recomputing attention from (q, k, v, out, lse)."""
+        context_parallel=_cp.DEFAULT_CONFIG, deterministic=False):
+    """(dq, dk, dv) in the input dtype, recomputing attention from (q, k, v, out, lse).
+
+    deterministic: gradients bit-identical from run to run (the CUDA kernels add
+    dq in key-block order; the CPU kernel always does).
+    """
     kw = dict(softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
-              context_parallel=context_parallel, on_cpu=False)
+              context_parallel=context_parallel, on_cpu=False,
+              deterministic=bool(deterministic))
     on_cpu = functools.partial(_bwd_native, **dict(kw, on_cpu=True))
     if q.dtype != jnp.float32:
         on_gpu = functools.partial(_bwd_native, **kw)

@@ -288,7 +288,8 @@ def _bwd_shardings(mesh, arg_shapes, lower, static, band_call):
     if plan is not None:
         lower = _without_mesh_context(functools.partial(
             cp.sharded_bwd, plan=plan,
-            call=band_call(static["softmax_scale"], on_cpu=static["on_cpu"]),
+            call=band_call(static["softmax_scale"], on_cpu=static["on_cpu"],
+                           deterministic=static["deterministic"]),
         ))
     if partial_axes:
         unsummed = lower

@@ -34,6 +34,11 @@
 //     threads and ordered by the same barrier.
 // docs/hopper_backward.md gives the measurement behind each choice.
 //
+// Deterministic mode (params.dq_semaphore set): each consumer's dQ reduce
+// waits for the earlier key blocks' (KeyBlockSteps, flash_bwd_preprocess.h);
+// the count that releases the next key block is given one step later, when
+// the reduce has surely landed, so the wait does not stall the tensor cores.
+//
 // Before the main kernel, delta = rowsum(dO * O) - dlse and dq_accum = 0
 // (flash_bwd_preprocess.h); after it, dq = softmax_scale * dq_accum.
 //
@@ -64,6 +69,19 @@
 namespace jflash::cuda::sm90 {
 
 using namespace cute;
+
+// Orders this thread's generic-proxy accesses of global memory against its
+// async-proxy (TMA) ones, both ways.
+__device__ __forceinline__ void fence_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// Deterministic mode: after tma_store_wait<0>() has seen this thread's reduce
+// complete, its additions are published (release) with the count.
+__device__ __forceinline__ void dq_signal_after_reduce(int* semaphore) {
+  fence_async_global();
+  dq_semaphore_signal(semaphore);
+}
 
 template <typename Traits, bool kBanded>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
@@ -180,6 +198,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor tdQsdQ = thr_dq.partition_C(group_modes<1, 3>(sdQ));
   Tensor mdQ = args.tma_dq.get_tma_tensor(Traits::shape_q(params));
   const bool dq_leader = tidx % 128 == 0;
+  // Deterministic mode: this consumer's counter for the dQ slice of a step.
+  auto dq_semaphore_of = [&](int step) {
+    int head, m_block;
+    steps.unit(step, head, m_block);
+    return dq_semaphore_at(params, batch, head, m_block, consumer, Traits::kConsumerWarpgroups);
+  };
 
   // dK and dV of this consumer's 64 keys, summed over every step.
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
@@ -202,6 +226,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // consumers' dS^T rows are in shared memory; per consumer, its dQ buffer.
   constexpr uint32_t kDsBarrier = 1;
   constexpr uint32_t kDqBarrier = 2;  // + consumer
+  // Counters of deterministic mode: params.h gives each query block of >= 32
+  // rows two.
+  static_assert(Traits::kConsumerWarpgroups <= 2 && kBlockM >= kDqSemaphoreRows);
   static_assert(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount + kDqBarrier +
                     Traits::kConsumerWarpgroups <=
                 cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
@@ -334,7 +361,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // seqlen_q. The buffer is free again once the reduce of two steps ago has
     // read it. 8-byte shared stores: CuTe's element copy compiles to generic
     // stores here (the swizzled address hides the state space).
-    if (dq_leader) tma_store_wait<1>();
+    if (dq_leader) {
+      if (steps.ordered() && step > 0) {
+        // Deterministic mode: the last step's reduce has landed (it had a
+        // whole step to); count this key block in for its dQ slice.
+        tma_store_wait<0>();
+        dq_signal_after_reduce(dq_semaphore_of(step - 1));
+      } else {
+        tma_store_wait<1>();
+      }
+    }
     cutlass::arch::NamedBarrier::sync(128, kDqBarrier + consumer);
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dq); i += 2) {
@@ -352,12 +388,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       auto [tdQgdQ_tma, tdQsdQ_tma] = tma_partition(
           args.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQ(_, _, consumer, buffer)),
           group_modes<0, 2>(gdQ));
+      if (steps.ordered()) {
+        dq_semaphore_wait(dq_semaphore_of(step),
+                          n_block - steps.first_key_block(params, m_block));
+        fence_async_global();  // the acquire before this reduce-add
+      }
       copy(args.tma_dq, tdQsdQ_tma, tdQgdQ_tma);
       tma_store_arrive();
     }
   }
   // Shared memory must outlive the last reduce's reads.
-  if (dq_leader) tma_store_wait<0>();
+  if (dq_leader) {
+    tma_store_wait<0>();
+    if (steps.ordered() && steps.num_steps > 0) {
+      dq_signal_after_reduce(dq_semaphore_of(steps.num_steps - 1));
+    }
+  }
 
   // dK and dV of the key block, written once.
   store_dk_dv<Element>(

@@ -8,6 +8,8 @@
 //   k, v, dk, dv     : [batch, seqlen_k, num_heads_kv, head_dim]
 //   lse, dlse, delta : [batch, num_heads, seqlen_q]          (float32)
 //   dq_accum         : [batch, num_heads, seqlen_q, head_dim] (float32 scratch)
+//   dq_semaphore     : [batch, num_heads, dq_semaphore_slots(seqlen_q)] (int32
+//                      scratch, deterministic mode only)
 //
 // Strides are in elements (not bytes) and int64 so that batch * seq * heads *
 // head_dim never overflows; the last (head_dim) stride is always 1.
@@ -51,6 +53,14 @@ struct FwdParams {
   BandMask mask;
 };
 
+// Counters per (batch, head) in dq_semaphore: two per 32 query rows, enough for
+// every backward tile (query blocks of >= 32 rows, at most two dQ column slices
+// per block). jflash/_src/kernel_calls.py sizes the scratch by the same rule.
+constexpr int64_t kDqSemaphoreRows = 32;
+constexpr int64_t dq_semaphore_slots(int64_t seqlen_q) {
+  return 2 * ((seqlen_q + kDqSemaphoreRows - 1) / kDqSemaphoreRows);
+}
+
 struct BwdParams : FwdParams {
   const void* dout;
   const float* dlse;  // gradient flowing into lse (zeros when lse is unused)
@@ -61,6 +71,11 @@ struct BwdParams : FwdParams {
   // null on CPU, whose kernels do not use it.
   float* dq_accum;
   float* delta;     // float32 scratch, rowsum(dout * out) - dlse, [batch, num_heads, seqlen_q]
+  // Deterministic mode (non-null): one counter per (batch, head, query block,
+  // dQ column slice) that orders the CUDA kernels' dQ additions by key block,
+  // so that dq is bit-identical from run to run. Null: additions in any order
+  // (faster). The CPU kernels are deterministic either way and ignore it.
+  int* dq_semaphore;
 
   int64_t dout_batch_stride, dout_row_stride, dout_head_stride;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
