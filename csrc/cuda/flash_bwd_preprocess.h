@@ -151,8 +151,9 @@ __device__ __forceinline__ int* dq_semaphore_at(const BwdParams& params, int bat
          m_block * slices + slice;
 }
 // Not inlined: the spin loop stays out of the callers' register allocation
-// (the sm80 backward is at its register limit), and runs only in deterministic mode.
-__device__ __noinline__ void dq_semaphore_wait(const int* semaphore, int count) {
+// (the sm80 backward is at its register limit), and runs only in deterministic
+// mode. static: one copy per translation unit, as the header is in many.
+static __device__ __noinline__ void dq_semaphore_wait(const int* semaphore, int count) {
   int value;
   do {
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(semaphore) : "memory");
