@@ -21,23 +21,24 @@
 // query block).
 //
 // Roles (warpgroups of 128 threads):
-//   warpgroup 0, the producer: one thread loads K and V once, then each step's
-//     Q and dO tiles into a ring of q_stages buffers (pipeline_sm90.h), each
-//     guarded by a "full" mbarrier (TMA bytes landed) and an "empty" one
-//     (every consumer warp is done reading it). It gives most of its
+//   warpgroup 0, the producer: in warp 0 one thread loads K and V once, then
+//     each step's Q and dO tiles into a ring of q_stages buffers
+//     (pipeline_sm90.h), each guarded by a "full" mbarrier (TMA bytes landed)
+//     and an "empty" one (every consumer warp is done reading it); in warp
+//     1 + w one thread writes consumer w's dQ (write_dq). It gives most of its
 //     registers away (setmaxnreg).
 //   warpgroups 1..: the consumers, 64 keys each (S^T, dP^T, dV, dK rows).
 //     The dQ product needs all of dS: each consumer writes its dS^T rows into
 //     shared memory, a named barrier joins them, and consumer w computes dQ's
 //     head-dim columns [w, w + 1) * head_dim / consumers. Each step's lse and
 //     delta come through shared memory too, loaded a step ahead by consumer
-//     threads and ordered by the same barrier.
+//     threads and ordered by the same barrier. Each consumer stages its dQ
+//     slice in one of two shared-memory buffers for its writer.
 // docs/hopper_backward.md gives the measurement behind each choice.
 //
-// Deterministic mode (params.dq_semaphore set): each consumer's dQ reduce
-// waits for the earlier key blocks' (KeyBlockSteps, flash_bwd_preprocess.h);
-// the count that releases the next key block is given one step later, when
-// the reduce has surely landed, so the wait does not stall the tensor cores.
+// Deterministic mode (params.dq_semaphore set): each dQ reduce-add waits for
+// the earlier key blocks' (KeyBlockSteps, flash_bwd_preprocess.h); the
+// writers wait and count, so that the consumers see no global-memory latency.
 //
 // Before the main kernel, delta = rowsum(dO * O) - dlse and dq_accum = 0
 // (flash_bwd_preprocess.h); after it, dq = softmax_scale * dq_accum.
@@ -76,11 +77,57 @@ __device__ __forceinline__ void fence_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
-// Deterministic mode: after tma_store_wait<0>() has seen this thread's reduce
-// complete, its additions are published (release) with the count.
-__device__ __forceinline__ void dq_signal_after_reduce(int* semaphore) {
-  fence_async_global();
-  dq_semaphore_signal(semaphore);
+// Waits until this thread's bulk async groups but the newest `kPending` have
+// completed, their writes included (CuTe's tma_store_wait waits for their
+// shared-memory reads only).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_complete() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+// The dQ writer of consumer warpgroup `consumer` (one thread of producer warp
+// 1 + consumer). Each step, once the consumer has staged its slice of the dQ
+// tile in shared memory (dq_full), one TMA reduce-add of it into dq_accum;
+// the buffer is the consumer's again (dq_empty) once the TMA has read it. In
+// deterministic mode it first waits for the earlier key blocks' additions to
+// the slice and, once its own has landed, counts itself in: global-memory
+// latencies that the consumers never wait for (they stage into the other
+// buffer meanwhile).
+template <typename Traits, typename Steps>
+__device__ __forceinline__ void write_dq(const BwdArgsSm90<Traits>& args,
+                                         typename Traits::SharedStorage& smem, const Steps& steps,
+                                         int consumer, int n_block, int batch) {
+  const BwdParams& params = args.params;
+  Tensor sdQ = make_tensor(make_smem_ptr(smem.dq.begin()), typename Traits::SmemLayoutdQ{});
+  Tensor mdQ = args.tma_dq.get_tma_tensor(Traits::shape_q(params));
+  for (int step = 0; step < steps.num_steps; ++step) {
+    int head, m_block;
+    steps.unit(step, head, m_block);
+    const RingSlot<2> slot(step);
+    EmptyBarrier::wait(&smem.dq_full[consumer][slot.stage], slot.phase);
+    int* semaphore = nullptr;
+    if (steps.ordered()) {
+      semaphore =
+          dq_semaphore_at(params, batch, head, m_block, consumer, Traits::kConsumerWarpgroups);
+      dq_semaphore_wait(semaphore, n_block - steps.first_key_block(params, m_block));
+      fence_async_global();  // the acquire, before this reduce-add
+    }
+    Tensor gdQ = local_tile(mdQ(_, _, head, batch),
+                            Shape<Int<Traits::kBlockM>, Int<Traits::kDqCols>>{},
+                            make_coord(m_block, consumer));
+    auto [tdQgdQ, tdQsdQ] =
+        tma_partition(args.tma_dq, Int<0>{}, Layout<_1>{},
+                      group_modes<0, 2>(sdQ(_, _, consumer, slot.stage)), group_modes<0, 2>(gdQ));
+    copy(args.tma_dq, tdQsdQ, tdQgdQ);
+    tma_store_arrive();
+    tma_store_wait<0>();  // read out of shared memory
+    EmptyBarrier::arrive(&smem.dq_empty[consumer][slot.stage]);
+    if (steps.ordered()) {
+      bulk_wait_complete<0>();  // added into dq_accum
+      fence_async_global();
+      dq_semaphore_signal(semaphore);
+    }
+  }
 }
 
 template <typename Traits, bool kBanded>
@@ -109,6 +156,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       init_buffer_barriers(&smem.qdo_full[s], &smem.qdo_empty[s], Traits::kConsumerThreads / 32);
     }
+    CUTE_UNROLL
+    for (int c = 0; c < Traits::kConsumerWarpgroups; ++c) {
+      CUTE_UNROLL
+      for (int b = 0; b < 2; ++b) {
+        EmptyBarrier::init(&smem.dq_full[c][b], 4);  // the consumer's four warps
+        EmptyBarrier::init(&smem.dq_empty[c][b], 1);  // its writer
+      }
+    }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -121,7 +176,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-    if (threadIdx.x / 32 != 0 || !cute::elect_one_sync() || steps.num_steps == 0) return;
+    const int warp = threadIdx.x / 32;
+    if (warp > Traits::kConsumerWarpgroups || !cute::elect_one_sync() || steps.num_steps == 0) {
+      return;
+    }
+    if (warp > 0) {
+      write_dq(args, smem, steps, warp - 1, n_block, batch);
+      return;
+    }
 
     Tensor mQ = args.tma_q.get_tma_tensor(Traits::shape_q(params));
     Tensor mdO = args.tma_dout.get_tma_tensor(Traits::shape_q(params));
@@ -190,20 +252,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto thr_copy_ds = smem_copy_ds.get_thread_slice(tidx);
   Tensor tdSsdS = thr_copy_ds.partition_D(sdSt);  // (CPY, CPY_M, CPY_N, buffer)
 
-  // This consumer's dQ staging buffer, and its slice of the (block_m x
+  // This consumer's dQ staging buffers, and its slice of the (block_m x
   // head_dim) dQ tile as the dQ product's accumulator partition sees it.
   const int consumer = tidx / 128;
   Tensor sdQ = make_tensor(make_smem_ptr(smem.dq.begin()), typename Traits::SmemLayoutdQ{});
   // (MMA, MMA_M, MMA_N, buffer), as acc_dq
   Tensor tdQsdQ = thr_dq.partition_C(group_modes<1, 3>(sdQ));
-  Tensor mdQ = args.tma_dq.get_tma_tensor(Traits::shape_q(params));
-  const bool dq_leader = tidx % 128 == 0;
-  // Deterministic mode: this consumer's counter for the dQ slice of a step.
-  auto dq_semaphore_of = [&](int step) {
-    int head, m_block;
-    steps.unit(step, head, m_block);
-    return dq_semaphore_at(params, batch, head, m_block, consumer, Traits::kConsumerWarpgroups);
-  };
 
   // dK and dV of this consumer's 64 keys, summed over every step.
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
@@ -222,16 +276,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int diag_lo = static_cast<int>(params.mask.diag_lo);
   const int diag_hi = static_cast<int>(params.mask.diag_hi);
   const bool warp_leader = tidx % 32 == 0;
-  // Named barriers (CUTLASS numbering, past its reserved ones): both
-  // consumers' dS^T rows are in shared memory; per consumer, its dQ buffer.
+  // Named barrier (CUTLASS numbering, past its reserved ones): both
+  // consumers' dS^T rows are in shared memory.
   constexpr uint32_t kDsBarrier = 1;
-  constexpr uint32_t kDqBarrier = 2;  // + consumer
   // Counters of deterministic mode: params.h gives each query block of >= 32
   // rows two.
   static_assert(Traits::kConsumerWarpgroups <= 2 && kBlockM >= kDqSemaphoreRows);
-  static_assert(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount + kDqBarrier +
-                    Traits::kConsumerWarpgroups <=
-                cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
 
   // lse (log2 domain) and delta of a step's query rows go through shared
   // memory, buffer step % 2: consumer threads 0 .. block_m - 1 load lse,
@@ -356,22 +406,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // dS buffer, which is written again two steps later, past its next barrier.
     consumer_release(&smem.qdo_empty[stage], warp_leader);
 
-    // dQ_accum += dS K (scaled in the convert kernel): registers -> one of
-    // this consumer's buffers -> one TMA reduce-add, which clips rows past
-    // seqlen_q. The buffer is free again once the reduce of two steps ago has
-    // read it. 8-byte shared stores: CuTe's element copy compiles to generic
-    // stores here (the swizzled address hides the state space).
-    if (dq_leader) {
-      if (steps.ordered() && step > 0) {
-        // Deterministic mode: the last step's reduce has landed (it had a
-        // whole step to); count this key block in for its dQ slice.
-        tma_store_wait<0>();
-        dq_signal_after_reduce(dq_semaphore_of(step - 1));
-      } else {
-        tma_store_wait<1>();
-      }
-    }
-    cutlass::arch::NamedBarrier::sync(128, kDqBarrier + consumer);
+    // dQ_accum += dS K (scaled in the convert kernel): registers -> this
+    // consumer's staging buffer -> its writer's TMA reduce-add (write_dq),
+    // which clips rows past seqlen_q. The buffer is free again once the
+    // reduce of two steps ago has read it. 8-byte shared stores: CuTe's
+    // element copy compiles to generic stores here (the swizzled address
+    // hides the state space).
+    const RingSlot<2> dq_slot(step);  // its stage is `buffer`
+    EmptyBarrier::wait(&smem.dq_empty[consumer][buffer], dq_slot.phase ^ 1);
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dq); i += 2) {
       asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(
@@ -379,30 +421,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                    "f"(acc_dq(i)), "f"(acc_dq(i + 1))
                    : "memory");
     }
-    tma_store_fence();  // the buffer's generic-proxy writes, visible to TMA
-    cutlass::arch::NamedBarrier::sync(128, kDqBarrier + consumer);
-    if (dq_leader) {
-      Tensor gdQ = local_tile(mdQ(_, _, head, batch),
-                              Shape<Int<kBlockM>, Int<Traits::kDqCols>>{},
-                              make_coord(m_block, consumer));
-      auto [tdQgdQ_tma, tdQsdQ_tma] = tma_partition(
-          args.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQ(_, _, consumer, buffer)),
-          group_modes<0, 2>(gdQ));
-      if (steps.ordered()) {
-        dq_semaphore_wait(dq_semaphore_of(step),
-                          n_block - steps.first_key_block(params, m_block));
-        fence_async_global();  // the acquire before this reduce-add
-      }
-      copy(args.tma_dq, tdQsdQ_tma, tdQgdQ_tma);
-      tma_store_arrive();
-    }
-  }
-  // Shared memory must outlive the last reduce's reads.
-  if (dq_leader) {
-    tma_store_wait<0>();
-    if (steps.ordered() && steps.num_steps > 0) {
-      dq_signal_after_reduce(dq_semaphore_of(steps.num_steps - 1));
-    }
+    tma_store_fence();  // this thread's generic-proxy writes, visible to TMA
+    __syncwarp();
+    if (warp_leader) EmptyBarrier::arrive(&smem.dq_full[consumer][buffer]);
   }
 
   // dK and dV of the key block, written once.

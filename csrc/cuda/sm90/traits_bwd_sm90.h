@@ -131,6 +131,10 @@ struct BwdTraitsSm90 {
     alignas(8) uint64_t kv_full;
     uint64_t qdo_full[kStages];
     uint64_t qdo_empty[kStages];
+    // Per consumer and dQ staging buffer: staged (its four warps arrive) and
+    // read out by the TMA (its writer arrives).
+    uint64_t dq_full[kConsumerWarpgroups][2];
+    uint64_t dq_empty[kConsumerWarpgroups][2];
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024);
