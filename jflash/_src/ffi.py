@@ -37,7 +37,9 @@ def _check_built_against(lib: ctypes.CDLL, path: pathlib.Path) -> None:
     """Refuses a library built against FFI headers newer than the running jaxlib.
 
     Such a handler does not load: XLA rejects it when the backend starts and the
-    whole backend fails. Failing here instead names the cause and the fix.
+    whole backend fails. Failing here instead names the cause and the fix. A
+    wheel declares the same bound (jaxlib >= the build's) to pip; this catches
+    installs that bypass it (--no-deps, a later jaxlib downgrade).
     """
     lib.jflash_build_jaxlib_version.restype = ctypes.c_char_p
     built = lib.jflash_build_jaxlib_version().decode()
@@ -46,7 +48,7 @@ def _check_built_against(lib: ctypes.CDLL, path: pathlib.Path) -> None:
         raise ImportError(
             f"jflash: {path.name} was built against jaxlib {built} (XLA FFI API "
             f"{api[0]}.{api[1]}), newer than the running jaxlib {jaxlib.__version__}. "
-            "Rebuild jflash in this environment with "
+            f"Install jaxlib>={built}, or rebuild jflash in this environment with "
             "`pip install --no-build-isolation .` so that it uses the installed jax."
         )
 
