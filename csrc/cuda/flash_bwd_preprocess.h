@@ -76,10 +76,12 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams pa
 }
 
 // The work of one backward CTA (a key block of a kv head): the query blocks
-// the band lets see its keys, and the (query head, query block) of each step,
+// the mask lets see its keys, and the (query head, query block) of each step,
 // one step per (query head of the GQA group, query block).
-template <int kBlockM, int kBlockN, bool kBanded>
+template <int kBlockM, int kBlockN, typename Mask>
 struct KeyBlockSteps {
+  static_assert(!Mask::kEmptyTilesInRange, "every query block of the row range is a step");
+
   int m_block_begin;
   int num_m_blocks;
   int num_steps;
@@ -89,12 +91,9 @@ struct KeyBlockSteps {
   __device__ __forceinline__ KeyBlockSteps(const BwdParams& params, int n_block, int kv_head) {
     const int key0 = n_block * kBlockN;
     const int key_end = min(key0 + kBlockN, params.seqlen_k);
-    int row_lo = 0;
-    int row_hi = params.seqlen_q;
-    if constexpr (kBanded) {
-      row_lo = static_cast<int>(params.mask.row_begin(key0));
-      row_hi = static_cast<int>(params.mask.row_end(key_end, params.seqlen_q));
-    }
+    const IndexRange rows = Mask(params.mask).rows_of_keys(key0, key_end, params.seqlen_q);
+    const int row_lo = static_cast<int>(rows.begin);
+    const int row_hi = static_cast<int>(rows.end);
     m_block_begin = row_lo / kBlockM;
     num_m_blocks = row_lo < row_hi ? ceil_div(row_hi, kBlockM) - m_block_begin : 0;
     num_steps = num_m_blocks * params.heads_per_kv;
