@@ -12,7 +12,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jflash._src.flash_attention import clamp_band, resolve_arguments
+from jflash._src import masks
+from jflash._src.flash_attention import resolve_arguments
 
 
 def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, dtype=jnp.float32):
@@ -24,7 +25,7 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, dtype=
     """
     batch, seqlen_q, num_heads, _ = query.shape
     seqlen_k, num_heads_kv = key.shape[1], key.shape[2]
-    diag_lo, diag_hi = clamp_band(seqlen_q, seqlen_k, diag_lo, diag_hi)
+    diag_lo, diag_hi = masks.clamp_band(seqlen_q, seqlen_k, diag_lo, diag_hi)
     group = num_heads // num_heads_kv
     q = query.astype(dtype)
     k = jnp.repeat(key.astype(dtype), group, axis=2)  # kv head h // group serves query head h
@@ -33,9 +34,7 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, dtype=
     # would be no more exact than the kernels it judges.
     einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
     scores = einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(softmax_scale, dtype)
-    offset = jnp.arange(seqlen_k)[None, :] - jnp.arange(seqlen_q)[:, None]  # j - i
-    visible = (offset >= diag_lo) & (offset <= diag_hi)
-    scores = jnp.where(visible, scores, -jnp.inf)
+    scores = jnp.where(masks.visible(seqlen_q, seqlen_k, diag_lo, diag_hi), scores, -jnp.inf)
     # The row max only stabilizes exp; it cancels, so no gradient flows through it.
     row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)  # fully masked: -inf - -inf = NaN

@@ -21,7 +21,7 @@ sys.path.insert(0, {tests_dir!r})
 import jax, jax.numpy as jnp, numpy as np
 import jflash, reference64
 from checks import assert_within_rule
-from jflash._src.flash_attention import causal_band
+from jflash._src.masks import causal_band
 from jflash.reference import attention_band
 
 rng = np.random.default_rng(7)

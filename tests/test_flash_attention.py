@@ -14,7 +14,8 @@ import pytest
 import jflash
 import reference64
 from checks import assert_within_rule, plain_dtype
-from jflash._src.flash_attention import attention_band, causal_band
+from jflash._src.flash_attention import attention_band
+from jflash._src.masks import causal_band
 from jflash.reference import attention_band as reference_band
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]

@@ -108,14 +108,15 @@ JFLASH_INLINE void compute_ds(const float* p_t, float* dp_t, int k_pad, int q_pa
 
 // S^T = K (scale Q)^T with the mask applied, then P^T, for one (key tile, query
 // tile). k_tile [k_pad, d_pad], q_t [d_pad, q_pad] -> p_t [k_pad, q_pad].
-template <class T>
+template <class T, class Mask>
 JFLASH_INLINE void probabilities(const BwdParams& params, int64_t q0, int q_rows, int q_pad,
                                  int64_t k0, int k_rows, int k_pad, int d_pad,
                                  const float* k_tile, const float* q_t, const float* lse_safe,
                                  float* p_t) {
   gemm<T, Accumulate::kOverwrite>(k_pad, q_pad, d_pad, k_tile, d_pad, 1, q_t, q_pad, p_t, q_pad);
-  if (!params.mask.tile_all_visible(q0, q0 + q_rows, k0, k0 + k_rows) || k_rows != k_pad) {
-    mask_scores(params.mask, params.seqlen_q, q0, q_pad, k0, k_rows, k_pad, p_t);
+  const Mask mask(params.mask);
+  if (mask.tile_class(q0, q0 + q_rows, k0, k0 + k_rows) != TileClass::kFull || k_rows != k_pad) {
+    mask_scores(mask, params.seqlen_q, q0, q_pad, k0, k_rows, k_pad, p_t);
   }
   recompute_p<T>(p_t, k_pad, q_pad, lse_safe);
 }
@@ -149,8 +150,9 @@ JFLASH_INLINE void load_kv(const BwdParams& params, int64_t batch, int64_t kv_he
             k_rows, params.head_dim, k_pad, d_pad, 1.0f, v_tile, d_pad);
 }
 
-template <class T>
+template <class T, class Mask>
 JFLASH_INLINE void dkdv_block(const BwdParams& params, int64_t task) {
+  static_assert(!Mask::kEmptyTilesInRange, "the query loop visits every tile of the row range");
   constexpr int block_q = T::kBwdBlockQ;
   constexpr int block_k = T::kBwdBlockK;
   // Natural order: under a causal mask the first key blocks are seen by the
@@ -183,8 +185,8 @@ JFLASH_INLINE void dkdv_block(const BwdParams& params, int64_t task) {
   std::fill(dv, dv + k_pad * d_pad, 0.0f);
 
   // Queries outside [q_begin, q_end) see none of these keys.
-  const int64_t q_begin = params.mask.row_begin(k0);
-  const int64_t q_end = params.mask.row_end(k0 + k_rows, params.seqlen_q);
+  const auto [q_begin, q_end] =
+      Mask(params.mask).rows_of_keys(k0, k0 + k_rows, params.seqlen_q);
   for (int64_t head = kv_head * params.heads_per_kv; head < (kv_head + 1) * params.heads_per_kv;
        ++head) {
     for (int64_t q0 = q_begin; q0 < q_end; q0 += block_q) {
@@ -199,8 +201,8 @@ JFLASH_INLINE void dkdv_block(const BwdParams& params, int64_t task) {
       load_tile_transposed(do_ref, q_rows, head_dim, q_pad, d_pad, 1.0f, do_t, q_pad);
       load_row_stats(params, batch, head, q0, q_rows, q_pad, lse_safe, delta);
 
-      probabilities<T>(params, q0, q_rows, q_pad, k0, k_rows, k_pad, d_pad, k_tile, q_t,
-                       lse_safe, p_t);
+      probabilities<T, Mask>(params, q0, q_rows, q_pad, k0, k_rows, k_pad, d_pad, k_tile, q_t,
+                             lse_safe, p_t);
       // dV += P^T dO: [k_pad, d_pad]
       gemm<T, Accumulate::kAdd>(k_pad, d_pad, q_pad, p_t, q_pad, 1, do_tile, d_pad, dv, d_pad);
       // dP^T = V dO^T: [k_pad, q_pad]
@@ -222,8 +224,9 @@ JFLASH_INLINE void dkdv_block(const BwdParams& params, int64_t task) {
              params.dv_row_stride);
 }
 
-template <class T>
+template <class T, class Mask>
 JFLASH_INLINE void dq_block(const BwdParams& params, int64_t task) {
+  static_assert(!Mask::kEmptyTilesInRange, "the key loop visits every tile of the key range");
   constexpr int block_q = T::kBwdBlockQ;
   constexpr int block_k = T::kBwdBlockK;
   const auto [batch, head, kv_head, q0, q_rows] = query_block_task(params, task, block_q);
@@ -249,14 +252,14 @@ JFLASH_INLINE void dq_block(const BwdParams& params, int64_t task) {
   load_row_stats(params, batch, head, q0, q_rows, q_pad, lse_safe, delta);
   std::fill(dq, dq + q_pad * d_pad, 0.0f);
 
-  const int64_t key_begin = params.mask.key_begin(q0);
-  const int64_t key_end = params.mask.key_end(q0 + q_rows, params.seqlen_k);
+  const auto [key_begin, key_end] =
+      Mask(params.mask).keys_of_rows(q0, q0 + q_rows, params.seqlen_k);
   for (int64_t k0 = key_begin; k0 < key_end; k0 += block_k) {
     const int k_rows = static_cast<int>(std::min<int64_t>(block_k, key_end - k0));
     const int k_pad = round_up(k_rows, T::kRows);
     load_kv(params, batch, kv_head, k0, k_rows, k_pad, d_pad, k_tile, v_tile);
-    probabilities<T>(params, q0, q_rows, q_pad, k0, k_rows, k_pad, d_pad, k_tile, q_t, lse_safe,
-                     p_t);
+    probabilities<T, Mask>(params, q0, q_rows, q_pad, k0, k_rows, k_pad, d_pad, k_tile, q_t,
+                           lse_safe, p_t);
     // dP^T = V dO^T: [k_pad, q_pad]
     gemm<T, Accumulate::kOverwrite>(k_pad, q_pad, d_pad, v_tile, d_pad, 1, do_t, q_pad, ds_t,
                                     q_pad);
@@ -273,60 +276,71 @@ JFLASH_INLINE void dq_block(const BwdParams& params, int64_t task) {
 
 enum class BwdPass { kDelta, kDkDv, kDq };
 
-template <class T>
-JFLASH_INLINE void bwd_task(const BwdParams& params, BwdPass pass, int64_t task) {
+template <class T, class Mask>
+JFLASH_INLINE void bwd_pass(const BwdParams& params, BwdPass pass, int64_t task) {
   switch (pass) {
     case BwdPass::kDelta: return delta_block<T>(params, task);
-    case BwdPass::kDkDv: return dkdv_block<T>(params, task);
-    case BwdPass::kDq: return dq_block<T>(params, task);
+    case BwdPass::kDkDv: return dkdv_block<T, Mask>(params, task);
+    case BwdPass::kDq: return dq_block<T, Mask>(params, task);
+  }
+}
+
+template <class T>
+JFLASH_INLINE void bwd_task(const BwdParams& params, MaskKind mask, BwdPass pass, int64_t task) {
+  switch (mask) {
+    case MaskKind::kNone: return bwd_pass<T, NoMask>(params, pass, task);
+    case MaskKind::kBand: return bwd_pass<T, BandMask>(params, pass, task);
   }
 }
 
 // One non-template entry per row of the tile table, compiled for its instruction set.
 #if JFLASH_X86
-JFLASH_TARGET_AVX512 void bwd_task_avx512(const BwdParams& params, BwdPass pass, int64_t task) {
-  bwd_task<Avx512Tiles>(params, pass, task);
+JFLASH_TARGET_AVX512 void bwd_task_avx512(const BwdParams& params, MaskKind mask, BwdPass pass,
+                                          int64_t task) {
+  bwd_task<Avx512Tiles>(params, mask, pass, task);
 }
-JFLASH_TARGET_AVX2 void bwd_task_avx2(const BwdParams& params, BwdPass pass, int64_t task) {
-  bwd_task<Avx2Tiles>(params, pass, task);
+JFLASH_TARGET_AVX2 void bwd_task_avx2(const BwdParams& params, MaskKind mask, BwdPass pass,
+                                      int64_t task) {
+  bwd_task<Avx2Tiles>(params, mask, pass, task);
 }
 #endif
-void bwd_task_baseline(const BwdParams& params, BwdPass pass, int64_t task) {
-  bwd_task<BaselineTiles>(params, pass, task);
+void bwd_task_baseline(const BwdParams& params, MaskKind mask, BwdPass pass, int64_t task) {
+  bwd_task<BaselineTiles>(params, mask, pass, task);
 }
 
 int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 
 template <class T>
-void run_bwd(const BwdParams& params, void (*entry)(const BwdParams&, BwdPass, int64_t)) {
+void run_bwd(const BwdParams& params, MaskKind mask,
+             void (*entry)(const BwdParams&, MaskKind, BwdPass, int64_t)) {
   const int64_t q_tasks = int64_t{params.batch} * params.num_heads *
                           ceil_div(params.seqlen_q, T::kBwdBlockQ);
   const int64_t k_tasks = int64_t{params.batch} * params.num_heads_kv *
                           ceil_div(params.seqlen_k, T::kBwdBlockK);
-  parallel_for(q_tasks, [&](int64_t task) { entry(params, BwdPass::kDelta, task); });
+  parallel_for(q_tasks, [&](int64_t task) { entry(params, mask, BwdPass::kDelta, task); });
   // dk/dv and dq both only read delta, so they share one job: no thread idles
   // at a barrier between them.
   parallel_for(k_tasks + q_tasks, [&](int64_t task) {
     if (task < k_tasks) {
-      entry(params, BwdPass::kDkDv, task);
+      entry(params, mask, BwdPass::kDkDv, task);
     } else {
-      entry(params, BwdPass::kDq, task - k_tasks);
+      entry(params, mask, BwdPass::kDq, task - k_tasks);
     }
   });
 }
 
 }  // namespace
 
-void flash_bwd(const BwdParams& params) {
+void flash_bwd(const BwdParams& params, MaskKind mask) {
   switch (cpu_tiles()) {
 #if JFLASH_X86
     case CpuTiles::kAvx512:
-      return run_bwd<Avx512Tiles>(params, bwd_task_avx512);
+      return run_bwd<Avx512Tiles>(params, mask, bwd_task_avx512);
     case CpuTiles::kAvx2:
-      return run_bwd<Avx2Tiles>(params, bwd_task_avx2);
+      return run_bwd<Avx2Tiles>(params, mask, bwd_task_avx2);
 #endif
     default:
-      return run_bwd<BaselineTiles>(params, bwd_task_baseline);
+      return run_bwd<BaselineTiles>(params, mask, bwd_task_baseline);
   }
 }
 

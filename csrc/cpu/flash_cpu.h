@@ -8,12 +8,13 @@ namespace jflash::cpu {
 
 // out, lse <- attention(q, k, v). Extra memory is O(block) per worker, never
 // O(seqlen_q * seqlen_k). Parallel over (batch, head, query block) on the
-// library's own worker pool; returns when every output is written.
-void flash_fwd(const FwdParams& params);
+// library's own worker pool; returns when every output is written. mask: the
+// policy that reads params.mask (the handler's params.mask.kind(...)).
+void flash_fwd(const FwdParams& params, MaskKind mask);
 
 // dq, dk, dv <- backward of flash_fwd, recomputing P from lse. Uses params.delta
 // as float32 scratch; params.dq_accum (the CUDA kernels' scratch) is not used and
 // is null. GQA gradients are summed into the kv head inside the kernel.
-void flash_bwd(const BwdParams& params);
+void flash_bwd(const BwdParams& params, MaskKind mask);
 
 }  // namespace jflash::cpu

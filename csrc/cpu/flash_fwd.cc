@@ -48,8 +48,9 @@ JFLASH_INLINE void softmax_update(float* s_t, int k_pad, int q_pad, float* row_m
   }
 }
 
-template <class T>
+template <class T, class Mask>
 JFLASH_INLINE void fwd_block(const FwdParams& params, int64_t task) {
+  static_assert(!Mask::kEmptyTilesInRange, "the key loop visits every tile of the key range");
   constexpr int block_q = T::kFwdBlockQ;
   constexpr int block_k = T::kFwdBlockK;
   const auto [batch, head, kv_head, q0, q_rows] = query_block_task(params, task, block_q);
@@ -78,9 +79,8 @@ JFLASH_INLINE void fwd_block(const FwdParams& params, int64_t task) {
   std::fill(row_sum, row_sum + q_pad, 0.0f);
 
   // Keys outside [key_begin, key_end) are masked for every query of the block.
-  const BandMask& mask = params.mask;
-  const int64_t key_begin = mask.key_begin(q0);
-  const int64_t key_end = mask.key_end(q0 + q_rows, params.seqlen_k);
+  const Mask mask(params.mask);
+  const auto [key_begin, key_end] = mask.keys_of_rows(q0, q0 + q_rows, params.seqlen_k);
   for (int64_t k0 = key_begin; k0 < key_end; k0 += block_k) {
     const int k_rows = static_cast<int>(std::min<int64_t>(block_k, key_end - k0));
     const int k_pad = round_up(k_rows, T::kRows);
@@ -96,7 +96,7 @@ JFLASH_INLINE void fwd_block(const FwdParams& params, int64_t task) {
     // S^T = K (scale Q)^T: [k_pad, q_pad]
     gemm<T, Accumulate::kOverwrite>(k_pad, q_pad, d_pad, k_tile, d_pad, 1, q_t, q_pad, s_t,
                                     q_pad);
-    if (!mask.tile_all_visible(q0, q0 + q_rows, k0, k0 + k_rows) || k_rows != k_pad) {
+    if (mask.tile_class(q0, q0 + q_rows, k0, k0 + k_rows) != TileClass::kFull || k_rows != k_pad) {
       mask_scores(mask, params.seqlen_q, q0, q_pad, k0, k_rows, k_pad, s_t);
     }
     softmax_update<T>(s_t, k_pad, q_pad, row_max, row_sum, row_rescale);
@@ -119,17 +119,25 @@ JFLASH_INLINE void fwd_block(const FwdParams& params, int64_t task) {
              params.out_row_stride);
 }
 
+template <class T>
+JFLASH_INLINE void fwd_task(const FwdParams& params, MaskKind mask, int64_t task) {
+  switch (mask) {
+    case MaskKind::kNone: return fwd_block<T, NoMask>(params, task);
+    case MaskKind::kBand: return fwd_block<T, BandMask>(params, task);
+  }
+}
+
 // One non-template entry per row of the tile table, compiled for its instruction set.
 #if JFLASH_X86
-JFLASH_TARGET_AVX512 void fwd_block_avx512(const FwdParams& params, int64_t task) {
-  fwd_block<Avx512Tiles>(params, task);
+JFLASH_TARGET_AVX512 void fwd_task_avx512(const FwdParams& params, MaskKind mask, int64_t task) {
+  fwd_task<Avx512Tiles>(params, mask, task);
 }
-JFLASH_TARGET_AVX2 void fwd_block_avx2(const FwdParams& params, int64_t task) {
-  fwd_block<Avx2Tiles>(params, task);
+JFLASH_TARGET_AVX2 void fwd_task_avx2(const FwdParams& params, MaskKind mask, int64_t task) {
+  fwd_task<Avx2Tiles>(params, mask, task);
 }
 #endif
-void fwd_block_baseline(const FwdParams& params, int64_t task) {
-  fwd_block<BaselineTiles>(params, task);
+void fwd_task_baseline(const FwdParams& params, MaskKind mask, int64_t task) {
+  fwd_task<BaselineTiles>(params, mask, task);
 }
 
 template <class T>
@@ -140,19 +148,19 @@ int64_t num_fwd_tasks(const FwdParams& params) {
 
 }  // namespace
 
-void flash_fwd(const FwdParams& params) {
+void flash_fwd(const FwdParams& params, MaskKind mask) {
   switch (cpu_tiles()) {
 #if JFLASH_X86
     case CpuTiles::kAvx512:
       return parallel_for(num_fwd_tasks<Avx512Tiles>(params),
-                          [&](int64_t task) { fwd_block_avx512(params, task); });
+                          [&](int64_t task) { fwd_task_avx512(params, mask, task); });
     case CpuTiles::kAvx2:
       return parallel_for(num_fwd_tasks<Avx2Tiles>(params),
-                          [&](int64_t task) { fwd_block_avx2(params, task); });
+                          [&](int64_t task) { fwd_task_avx2(params, mask, task); });
 #endif
     default:
       return parallel_for(num_fwd_tasks<BaselineTiles>(params),
-                          [&](int64_t task) { fwd_block_baseline(params, task); });
+                          [&](int64_t task) { fwd_task_baseline(params, mask, task); });
   }
 }
 

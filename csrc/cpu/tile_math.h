@@ -288,8 +288,9 @@ JFLASH_INLINE void gemm(int rows, int cols, int depth, const float* a, int64_t a
 
 // s_t[j][i] = -inf where query q0 + i cannot see key k0 + j, and for padding keys
 // k_rows <= j < k_pad. s_t: [k_pad, q_pad]. Only called on tiles the policy does
-// not report all-visible, or that end in padding.
-JFLASH_INLINE void mask_scores(const BandMask& mask, int64_t seqlen_q, int64_t q0, int q_pad,
+// not classify as full, or that end in padding.
+template <class Mask>
+JFLASH_INLINE void mask_scores(const Mask& mask, int64_t seqlen_q, int64_t q0, int q_pad,
                                int64_t k0, int k_rows, int k_pad, float* s_t) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int j = 0; j < k_pad; ++j) {
@@ -298,8 +299,9 @@ JFLASH_INLINE void mask_scores(const BandMask& mask, int64_t seqlen_q, int64_t q
     if (j < k_rows) {
       // Queries [row_begin, row_end) see key k0 + j.
       const int64_t key = k0 + j;
-      const int64_t begin = mask.row_begin(key) - q0;
-      const int64_t end = mask.row_end(key + 1, seqlen_q) - q0;
+      const IndexRange rows = mask.key_rows(key, seqlen_q);
+      const int64_t begin = rows.begin - q0;
+      const int64_t end = rows.end - q0;
       visible_begin = static_cast<int>(begin < 0 ? 0 : (begin > q_pad ? q_pad : begin));
       visible_end = static_cast<int>(end < visible_begin ? visible_begin : (end > q_pad ? q_pad : end));
     }

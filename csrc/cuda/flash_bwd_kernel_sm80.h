@@ -32,7 +32,7 @@ namespace jflash::cuda {
 
 using namespace cute;
 
-template <typename Traits, bool kBanded>
+template <typename Traits, typename Mask>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_kernel(const __grid_constant__ BwdParams params) {
   using Element = typename Traits::Element;
@@ -49,7 +49,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   const int key0 = n_block * kBlockN;
   // The (query head, query block) pairs whose rows see this CTA's keys.
-  const KeyBlockSteps<kBlockM, kBlockN, kBanded> steps(params, n_block, kv_head);
+  const Mask mask(params.mask);
+  const KeyBlockSteps<kBlockM, kBlockN, Mask> steps(params, n_block, kv_head);
   const int num_steps = steps.num_steps;
   static_assert(kBlockM >= kDqSemaphoreRows);  // deterministic mode's counters fit
 
@@ -237,12 +238,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // elements (outside the band or past the last key) get P = dS = 0.
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-    bool needs_mask = key0 + kBlockN > params.seqlen_k;
-    if constexpr (kBanded) {
-      needs_mask = needs_mask ||
-                   !params.mask.tile_all_visible(row0, min(row0 + kBlockM, params.seqlen_q), key0,
-                                                 key0 + kBlockN);
-    }
+    const bool needs_mask =
+        key0 + kBlockN > params.seqlen_k ||
+        mask.tile_class(row0, min(row0 + kBlockM, params.seqlen_q), key0, key0 + kBlockN) !=
+            TileClass::kFull;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
@@ -251,8 +250,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (needs_mask) {
           const int row = row0 + get<0>(tScS_rc(r, c));
           const int col = key0 + get<1>(tScS_rc(r, c));
-          bool visible = col < params.seqlen_k;
-          if constexpr (kBanded) visible = visible && params.mask.visible(row, col);
+          const bool visible =
+              col < params.seqlen_k && mask.visible(int64_t{row}, int64_t{col});
           if (!visible) p = 0.f;
         }
         s(r, c) = p;
@@ -323,14 +322,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       batch, kv_head, params);
 }
 
-template <typename Element, int kHeadDim, bool kBanded, SmemClass kSmem = SmemClass::kLarge>
+template <typename Element, int kHeadDim, typename Mask, SmemClass kSmem = SmemClass::kLarge>
 cudaError_t run_flash_bwd(const BwdParams& params, const LaunchContext& ctx) {
   using Traits = BwdTraitsSm80<Element, kHeadDim, kSmem>;
   if (cudaError_t err = launch_bwd_preprocess<Element, kHeadDim>(params, ctx); err != cudaSuccess) {
     return err;
   }
 
-  auto kernel = &flash_bwd_kernel<Traits, kBanded>;
+  auto kernel = &flash_bwd_kernel<Traits, Mask>;
   constexpr int kSmemBytes = Traits::kSmemBytes;
   if constexpr (kSmemBytes > 48 * 1024) {
     if (cudaError_t err = cudaFuncSetAttribute(

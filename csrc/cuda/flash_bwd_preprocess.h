@@ -76,19 +76,21 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams pa
 }
 
 // The work of one backward CTA (a key block of a kv head): the query blocks
-// the band lets see its keys, and the (query head, query block) of each step,
+// the mask lets see its keys, and the (query head, query block) of each step,
 // one step per (query head of the GQA group, query block).
 //
 // Deterministic mode (params.dq_semaphore set) adds each dQ tile in key-block
 // order: the CTA of key block n adds into query block m only after the blocks
 // first_key_block(m) .. n - 1 have (dq_semaphore_wait below). Every CTA walks
 // its steps in one common order, query blocks from the last down and query
-// heads inside: the band's query-block ranges [begin, end) grow with n, so the
+// heads inside: a band's query-block ranges [begin, end) grow with n, so the
 // CTA of block n - 1 reaches each (head, query block) at the same step as the
 // CTA of block n or an earlier one, and a CTA waits at most about one step for
 // its predecessor instead of a chain of waits.
-template <int kBlockM, int kBlockN, bool kBanded>
+template <int kBlockM, int kBlockN, typename Mask>
 struct KeyBlockSteps {
+  static_assert(!Mask::kEmptyTilesInRange, "every query block of the row range is a step");
+
   int m_block_begin;
   int num_m_blocks;
   int num_steps;
@@ -100,12 +102,9 @@ struct KeyBlockSteps {
   __device__ __forceinline__ KeyBlockSteps(const BwdParams& params, int n_block, int kv_head) {
     const int key0 = n_block * kBlockN;
     const int key_end = min(key0 + kBlockN, params.seqlen_k);
-    int row_lo = 0;
-    int row_hi = params.seqlen_q;
-    if constexpr (kBanded) {
-      row_lo = static_cast<int>(params.mask.row_begin(key0));
-      row_hi = static_cast<int>(params.mask.row_end(key_end, params.seqlen_q));
-    }
+    const IndexRange rows = Mask(params.mask).rows_of_keys(key0, key_end, params.seqlen_q);
+    const int row_lo = static_cast<int>(rows.begin);
+    const int row_hi = static_cast<int>(rows.end);
     m_block_begin = row_lo / kBlockM;
     num_m_blocks = row_lo < row_hi ? ceil_div(row_hi, kBlockM) - m_block_begin : 0;
     num_steps = num_m_blocks * params.heads_per_kv;
@@ -135,8 +134,9 @@ struct KeyBlockSteps {
   // right as they go down). Every key block from it to one that visits
   // m_block visits it too: a key block's row range only grows with it.
   __device__ __forceinline__ static int first_key_block(const BwdParams& params, int m_block) {
-    if constexpr (!kBanded) return 0;
-    return static_cast<int>(params.mask.key_begin(int64_t{m_block} * kBlockM) / kBlockN);
+    const int64_t row0 = int64_t{m_block} * kBlockM;
+    return static_cast<int>(Mask(params.mask).keys_of_rows(row0, row0 + 1, params.seqlen_k).begin /
+                            kBlockN);
   }
 };
 

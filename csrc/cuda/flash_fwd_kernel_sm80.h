@@ -24,13 +24,14 @@ namespace jflash::cuda {
 
 using namespace cute;
 
-template <typename Traits, bool kBanded>
+template <typename Traits, typename Mask>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_kernel(const __grid_constant__ FwdParams params) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
+  static_assert(!Mask::kEmptyTilesInRange, "the key loop visits every tile of the key range");
 
   extern __shared__ __align__(128) char smem[];
   const int m_block = blockIdx.x;
@@ -42,12 +43,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Query rows [row_begin, row_end) of this CTA and the key blocks they can see.
   const int row_begin = m_block * kBlockM;
   const int row_end = min(row_begin + kBlockM, params.seqlen_q);
-  int key_begin = 0;
-  int key_end = params.seqlen_k;
-  if constexpr (kBanded) {
-    key_begin = static_cast<int>(params.mask.key_begin(row_begin));
-    key_end = static_cast<int>(params.mask.key_end(row_end, params.seqlen_k));
-  }
+  const Mask mask(params.mask);
+  const IndexRange keys = mask.keys_of_rows(row_begin, row_end, params.seqlen_k);
+  const int key_begin = static_cast<int>(keys.begin);
+  const int key_end = static_cast<int>(keys.end);
   const int n_block_begin = key_begin / kBlockN;
   const int n_block_end = key_begin < key_end ? ceil_div(key_end, kBlockN) : n_block_begin;
 
@@ -149,18 +148,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     CUTE_UNROLL
     for (int i = 0; i < size(s); ++i) s(i) *= params.softmax_scale_log2;
-    bool needs_mask = key0 + kBlockN > params.seqlen_k;
-    if constexpr (kBanded) {
-      needs_mask = needs_mask ||
-                   !params.mask.tile_all_visible(row_begin, row_end, key0, key0 + kBlockN);
-    }
+    const bool needs_mask =
+        key0 + kBlockN > params.seqlen_k ||
+        mask.tile_class(row_begin, row_end, key0, key0 + kBlockN) != TileClass::kFull;
     if (needs_mask) {
       CUTE_UNROLL
       for (int i = 0; i < size(s); ++i) {
         const int row = row_begin + get<0>(tScS_rc(i));
         const int col = key0 + get<1>(tScS_rc(i));
-        bool visible = col < params.seqlen_k;
-        if constexpr (kBanded) visible = visible && params.mask.visible(row, col);
+        const bool visible =
+            col < params.seqlen_k && mask.visible(int64_t{row}, int64_t{col});
         if (!visible) s(i) = -INFINITY;
       }
     }
@@ -223,10 +220,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       params.out_row_stride);
 }
 
-template <typename Element, int kHeadDim, bool kBanded, SmemClass kSmem = SmemClass::kLarge>
+template <typename Element, int kHeadDim, typename Mask, SmemClass kSmem = SmemClass::kLarge>
 cudaError_t run_flash_fwd(const FwdParams& params, const LaunchContext& ctx) {
   using Traits = FwdTraitsSm80<Element, kHeadDim, kSmem>;
-  auto kernel = &flash_fwd_kernel<Traits, kBanded>;
+  auto kernel = &flash_fwd_kernel<Traits, Mask>;
   constexpr int kSmemBytes = Traits::kSmemBytes;
   if constexpr (kSmemBytes > 48 * 1024) {
     if (cudaError_t err = cudaFuncSetAttribute(

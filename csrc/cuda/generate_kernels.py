@@ -28,22 +28,24 @@ DTYPES = {
     "fp16": ("cutlass::half_t", "kFloat16"),
     "bf16": ("cutlass::bfloat16_t", "kBFloat16"),
 }
-# "full": the band removes nothing (only the sequence-end residual is masked);
-# "band": any other band, causal included (per-tile masking decisions).
-MASKS = {"full": "false", "band": "true"}
+# The mask policies of csrc/include/jflash/mask.h, one instantiation each:
+# name in the file name: (policy type, MaskKind). "full": NoMask, for calls whose
+# band removes nothing (only the sequence-end residual is masked); "band":
+# BandMask, any other band, causal and windows included.
+MASKS = {"full": ("NoMask", "kNone"), "band": ("BandMask", "kBand")}
 # direction: (header, registration expression, head dims)
 DIRECTIONS = {
     "fwd": (
         "cuda/flash_fwd_kernel_sm80.h",
-        "register_fwd_kernel(DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},\n"
-        "    FwdKernel{{&run_flash_fwd<Element, {head_dim}, {banded}>,\n"
+        "register_fwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
+        "    FwdKernel{{&run_flash_fwd<Element, {head_dim}, {mask_policy}>,\n"
         "              FwdTraitsSm80<Element, {head_dim}>::kSmemBytes}})",
         HEAD_DIMS,
     ),
     "bwd": (
         "cuda/flash_bwd_kernel_sm80.h",
-        "register_bwd_kernel(DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},\n"
-        "    BwdKernel{{&run_flash_bwd<Element, {head_dim}, {banded}>,\n"
+        "register_bwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
+        "    BwdKernel{{&run_flash_bwd<Element, {head_dim}, {mask_policy}>,\n"
         "              BwdTraitsSm80<Element, {head_dim}>::kSmemBytes}})",
         HEAD_DIMS,
     ),
@@ -53,8 +55,8 @@ DIRECTIONS = {
     # and the tile table in step.
     "fwd_small": (
         "cuda/flash_fwd_kernel_sm80.h",
-        "register_fwd_kernel(DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},\n"
-        "    FwdKernel{{&run_flash_fwd<Element, {head_dim}, {banded}, SmemClass::kSmall>,\n"
+        "register_fwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
+        "    FwdKernel{{&run_flash_fwd<Element, {head_dim}, {mask_policy}, SmemClass::kSmall>,\n"
         "              FwdTraitsSm80<Element, {head_dim}, SmemClass::kSmall>::kSmemBytes}},\n"
         "    SmemClass::kSmall);\n"
         "static_assert(has_small_fwd_tile({head_dim}))",
@@ -62,8 +64,8 @@ DIRECTIONS = {
     ),
     "bwd_small": (
         "cuda/flash_bwd_kernel_sm80.h",
-        "register_bwd_kernel(DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},\n"
-        "    BwdKernel{{&run_flash_bwd<Element, {head_dim}, {banded}, SmemClass::kSmall>,\n"
+        "register_bwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
+        "    BwdKernel{{&run_flash_bwd<Element, {head_dim}, {mask_policy}, SmemClass::kSmall>,\n"
         "              BwdTraitsSm80<Element, {head_dim}, SmemClass::kSmall>::kSmemBytes}},\n"
         "    SmemClass::kSmall);\n"
         "static_assert(has_small_bwd_tile({head_dim}))",
@@ -73,8 +75,8 @@ DIRECTIONS = {
     # alone). Other head dims run the sm80 forward on Hopper too.
     "fwd_sm90": (
         "cuda/sm90/flash_fwd_kernel_sm90.h",
-        "register_sm90_fwd_kernel(DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},\n"
-        "    FwdKernel{{&sm90::run_flash_fwd_sm90<Element, {head_dim}, {banded}>,\n"
+        "register_sm90_fwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
+        "    FwdKernel{{&sm90::run_flash_fwd_sm90<Element, {head_dim}, {mask_policy}>,\n"
         "              sm90::FwdTraitsSm90<Element, {head_dim}>::kSmemBytes, &tma_compatible}})",
         (64, 128, 256),
     ),
@@ -82,8 +84,8 @@ DIRECTIONS = {
     # run the sm80 backward on Hopper too.
     "bwd_sm90": (
         "cuda/sm90/flash_bwd_kernel_sm90.h",
-        "register_sm90_bwd_kernel(DType::{dtype_enum}, {head_dim}, /*banded=*/{banded},\n"
-        "    BwdKernel{{&sm90::run_flash_bwd_sm90<Element, {head_dim}, {banded}>,\n"
+        "register_sm90_bwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
+        "    BwdKernel{{&sm90::run_flash_bwd_sm90<Element, {head_dim}, {mask_policy}>,\n"
         "              sm90::BwdTraitsSm90<Element, {head_dim}>::kSmemBytes,\n"
         "              &sm90::tma_compatible_bwd}})",
         (64, 128),
@@ -114,14 +116,15 @@ def main() -> None:
     for direction, (header, registration, head_dims) in DIRECTIONS.items():
         for dtype, (element, dtype_enum) in DTYPES.items():
             for head_dim in head_dims:
-                for mask, banded in MASKS.items():
+                for mask, (mask_policy, mask_kind) in MASKS.items():
                     name = instantiation_name(direction, dtype, head_dim, mask) + ".cu"
                     wanted.add(name)
                     text = TEMPLATE.format(
                         header=header,
                         element=element,
                         registration=registration.format(
-                            dtype_enum=dtype_enum, head_dim=head_dim, banded=banded),
+                            dtype_enum=dtype_enum, head_dim=head_dim, mask_policy=mask_policy,
+                            mask_kind=mask_kind),
                     )
                     path = out_dir / name
                     if not path.exists() or path.read_text() != text:

@@ -3,7 +3,7 @@
 // Each generated instantiation file (csrc/cuda/instantiations/, written by
 // generate_kernels.py) compiles one launcher and records it in the registry
 // below when the library loads. The handlers look a launcher up by (dtype,
-// head_dim, banded); a missing entry means the instantiation was left out of the
+// head_dim, mask kind); a missing entry means the instantiation was left out of the
 // build (JFLASH_CUDA_SUBSET) and becomes an ffi::Error, never a crash.
 #pragma once
 
@@ -44,14 +44,14 @@ struct BwdKernel {
 // entries for instantiations that were not compiled. SmemClass::kSmall slots
 // hold the sm80 kernels of the small-shared-memory tile column (tile_sizes.h),
 // filled only for head dims whose kLarge tile needs more than 99 KB.
-FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, bool banded,
+FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, MaskKind mask,
                            SmemClass smem = SmemClass::kLarge);
-BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, bool banded,
+BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, MaskKind mask,
                            SmemClass smem = SmemClass::kLarge);
 
 // The Hopper kernels (csrc/cuda/sm90/), chosen on compute capability 9.0.
-FwdKernel& sm90_fwd_kernel_slot(DType dtype, int head_dim, bool banded);
-BwdKernel& sm90_bwd_kernel_slot(DType dtype, int head_dim, bool banded);
+FwdKernel& sm90_fwd_kernel_slot(DType dtype, int head_dim, MaskKind mask);
+BwdKernel& sm90_bwd_kernel_slot(DType dtype, int head_dim, MaskKind mask);
 
 // TMA reads tensors whose base addresses and strides are 16-byte multiples
 // and whose extents are non-zero.
@@ -65,24 +65,24 @@ inline bool tma_compatible(const FwdParams& p) {
          stride_ok(p.v_row_stride) && stride_ok(p.v_head_stride) && stride_ok(p.v_batch_stride);
 }
 
-inline bool register_sm90_fwd_kernel(DType dtype, int head_dim, bool banded, FwdKernel kernel) {
-  sm90_fwd_kernel_slot(dtype, head_dim, banded) = kernel;
+inline bool register_sm90_fwd_kernel(DType dtype, int head_dim, MaskKind mask, FwdKernel kernel) {
+  sm90_fwd_kernel_slot(dtype, head_dim, mask) = kernel;
   return true;
 }
 
-inline bool register_sm90_bwd_kernel(DType dtype, int head_dim, bool banded, BwdKernel kernel) {
-  sm90_bwd_kernel_slot(dtype, head_dim, banded) = kernel;
+inline bool register_sm90_bwd_kernel(DType dtype, int head_dim, MaskKind mask, BwdKernel kernel) {
+  sm90_bwd_kernel_slot(dtype, head_dim, mask) = kernel;
   return true;
 }
 
-inline bool register_fwd_kernel(DType dtype, int head_dim, bool banded, FwdKernel kernel,
+inline bool register_fwd_kernel(DType dtype, int head_dim, MaskKind mask, FwdKernel kernel,
                                 SmemClass smem = SmemClass::kLarge) {
-  fwd_kernel_slot(dtype, head_dim, banded, smem) = kernel;
+  fwd_kernel_slot(dtype, head_dim, mask, smem) = kernel;
   return true;
 }
-inline bool register_bwd_kernel(DType dtype, int head_dim, bool banded, BwdKernel kernel,
+inline bool register_bwd_kernel(DType dtype, int head_dim, MaskKind mask, BwdKernel kernel,
                                 SmemClass smem = SmemClass::kLarge) {
-  bwd_kernel_slot(dtype, head_dim, banded, smem) = kernel;
+  bwd_kernel_slot(dtype, head_dim, mask, smem) = kernel;
   return true;
 }
 

@@ -9,34 +9,38 @@ namespace {
 
 constexpr int kNumHeadDims = kNumKernelHeadDims;
 
-// Callers pass one of kKernelHeadDims (the handlers check KernelHeadDim first).
-int slot_index(DType dtype, int head_dim, bool banded) {
+// Callers pass one of kKernelHeadDims (the handlers check KernelHeadDim first)
+// and a MaskKind.
+constexpr int kNumSlots = 2 * kNumHeadDims * kNumMaskKinds;
+
+int slot_index(DType dtype, int head_dim, MaskKind mask) {
   const int dtype_index = dtype == DType::kBFloat16 ? 1 : 0;
-  return (dtype_index * kNumHeadDims + kernel_head_dim_index(head_dim)) * 2 + (banded ? 1 : 0);
+  return (dtype_index * kNumHeadDims + kernel_head_dim_index(head_dim)) * kNumMaskKinds +
+         static_cast<int>(mask);
 }
 
 }  // namespace
 
-FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, bool banded, SmemClass smem) {
-  static FwdKernel large[2 * kNumHeadDims * 2];
-  static FwdKernel small[2 * kNumHeadDims * 2];
-  return (smem == SmemClass::kSmall ? small : large)[slot_index(dtype, head_dim, banded)];
+FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, SmemClass smem) {
+  static FwdKernel large[kNumSlots];
+  static FwdKernel small[kNumSlots];
+  return (smem == SmemClass::kSmall ? small : large)[slot_index(dtype, head_dim, mask)];
 }
 
-FwdKernel& sm90_fwd_kernel_slot(DType dtype, int head_dim, bool banded) {
-  static FwdKernel table[2 * kNumHeadDims * 2];
-  return table[slot_index(dtype, head_dim, banded)];
+FwdKernel& sm90_fwd_kernel_slot(DType dtype, int head_dim, MaskKind mask) {
+  static FwdKernel table[kNumSlots];
+  return table[slot_index(dtype, head_dim, mask)];
 }
 
-BwdKernel& sm90_bwd_kernel_slot(DType dtype, int head_dim, bool banded) {
-  static BwdKernel table[2 * kNumHeadDims * 2];
-  return table[slot_index(dtype, head_dim, banded)];
+BwdKernel& sm90_bwd_kernel_slot(DType dtype, int head_dim, MaskKind mask) {
+  static BwdKernel table[kNumSlots];
+  return table[slot_index(dtype, head_dim, mask)];
 }
 
-BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, bool banded, SmemClass smem) {
-  static BwdKernel large[2 * kNumHeadDims * 2];
-  static BwdKernel small[2 * kNumHeadDims * 2];
-  return (smem == SmemClass::kSmall ? small : large)[slot_index(dtype, head_dim, banded)];
+BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, SmemClass smem) {
+  static BwdKernel large[kNumSlots];
+  static BwdKernel small[kNumSlots];
+  return (smem == SmemClass::kSmall ? small : large)[slot_index(dtype, head_dim, mask)];
 }
 
 }  // namespace jflash::cuda

@@ -22,7 +22,7 @@ ffi::Error FwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
       err.failure()) {
     return err;
   }
-  cpu::flash_fwd(params);
+  cpu::flash_fwd(params, params.mask.kind(params.seqlen_q, params.seqlen_k));
   return ffi::Error::Success();
 }
 
@@ -39,7 +39,7 @@ ffi::Error BwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
       err.failure()) {
     return err;
   }
-  cpu::flash_bwd(params);
+  cpu::flash_bwd(params, params.mask.kind(params.seqlen_q, params.seqlen_k));
   return ffi::Error::Success();
 }
 

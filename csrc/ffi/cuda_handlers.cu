@@ -170,30 +170,30 @@ bool HopperTakes(const Kernel& hopper, const DeviceInfo& info, FamilyChoice choi
 // else the sm80 kernel of the device's tile column, which computes the same
 // result everywhere. launch == nullptr when the kernel it needs was not built.
 cuda::FwdKernel SelectForward(const DeviceInfo& info, FamilyChoice choice, DType dtype,
-                              int head_dim, bool banded, const FwdParams* params) {
+                              int head_dim, MaskKind mask, const FwdParams* params) {
   if (!KernelHeadDim(dtype, head_dim)) return {};
-  const cuda::FwdKernel& hopper = cuda::sm90_fwd_kernel_slot(dtype, head_dim, banded);
+  const cuda::FwdKernel& hopper = cuda::sm90_fwd_kernel_slot(dtype, head_dim, mask);
   if (HopperTakes(hopper, info, choice, params)) return hopper;
   const auto column = Sm80Column(cuda::fwd_smem_bytes(cuda::fwd_tile(head_dim), head_dim),
                                  cuda::has_small_fwd_tile(head_dim), info);
-  return cuda::fwd_kernel_slot(dtype, head_dim, banded, column);
+  return cuda::fwd_kernel_slot(dtype, head_dim, mask, column);
 }
 
 // The backward kernel for a call, chosen the same way.
 cuda::BwdKernel SelectBackward(const DeviceInfo& info, FamilyChoice choice, DType dtype,
-                               int head_dim, bool banded, const BwdParams* params) {
+                               int head_dim, MaskKind mask, const BwdParams* params) {
   if (!KernelHeadDim(dtype, head_dim)) return {};
-  const cuda::BwdKernel& hopper = cuda::sm90_bwd_kernel_slot(dtype, head_dim, banded);
+  const cuda::BwdKernel& hopper = cuda::sm90_bwd_kernel_slot(dtype, head_dim, mask);
   if (HopperTakes(hopper, info, choice, params)) return hopper;
   const auto column = Sm80Column(cuda::bwd_smem_bytes(cuda::bwd_tile(head_dim), head_dim),
                                  cuda::has_small_bwd_tile(head_dim), info);
-  return cuda::bwd_kernel_slot(dtype, head_dim, banded, column);
+  return cuda::bwd_kernel_slot(dtype, head_dim, mask, column);
 }
 
 // Checks what the CUDA kernels support beyond FillFwdParams' ABI checks and
 // returns the launch context of the current device.
 ffi::ErrorOr<cuda::LaunchContext> Prepare(const FwdParams& params, cudaStream_t stream,
-                                          const DeviceInfo& info, bool banded, int smem_bytes,
+                                          const DeviceInfo& info, MaskKind mask, int smem_bytes,
                                           bool found, const char* direction) {
   if (params.dtype == DType::kFloat32) {
     return ffi::Error::InvalidArgument(
@@ -220,7 +220,7 @@ ffi::ErrorOr<cuda::LaunchContext> Prepare(const FwdParams& params, cudaStream_t 
     return ffi::Error::InvalidArgument(
         std::string("jflash: this build has no CUDA ") + direction + " kernel for " +
         DTypeName(params.dtype) + ", head_dim " + std::to_string(params.head_dim) + ", " +
-        (banded ? "banded" : "unmasked") + " attention: it was built with JFLASH_CUDA_SUBSET=" +
+        MaskKindName(mask) + " attention: it was built with JFLASH_CUDA_SUBSET=" +
         JFLASH_CUDA_SUBSET + "; rebuild with JFLASH_CUDA_SUBSET=all");
   }
   if (smem_bytes > smem_limit(info)) {
@@ -250,10 +250,10 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   if (info.has_error()) return info.error();
   const FamilyChoice choice = forward_choice();
   if (auto err = CheckSettings(); err.failure()) return err;
-  const bool banded = !params.mask.is_full(params.seqlen_q, params.seqlen_k);
+  const MaskKind mask = params.mask.kind(params.seqlen_q, params.seqlen_k);
   const cuda::FwdKernel kernel =
-      SelectForward(**info, choice, params.dtype, params.head_dim, banded, &params);
-  auto ctx = Prepare(params, stream, **info, banded, kernel.smem_bytes, kernel.launch != nullptr,
+      SelectForward(**info, choice, params.dtype, params.head_dim, mask, &params);
+  auto ctx = Prepare(params, stream, **info, mask, kernel.smem_bytes, kernel.launch != nullptr,
                      "forward");
   if (ctx.has_error()) return ctx.error();
   if (cudaError_t err = kernel.launch(params, *ctx); err != cudaSuccess) {
@@ -281,10 +281,10 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   auto info = current_device_info();
   if (info.has_error()) return info.error();
   if (auto err = CheckSettings(); err.failure()) return err;
-  const bool banded = !params.mask.is_full(params.seqlen_q, params.seqlen_k);
+  const MaskKind mask = params.mask.kind(params.seqlen_q, params.seqlen_k);
   const cuda::BwdKernel kernel =
-      SelectBackward(**info, backward_choice(), params.dtype, params.head_dim, banded, &params);
-  auto ctx = Prepare(params, stream, **info, banded, kernel.smem_bytes, kernel.launch != nullptr,
+      SelectBackward(**info, backward_choice(), params.dtype, params.head_dim, mask, &params);
+  auto ctx = Prepare(params, stream, **info, mask, kernel.smem_bytes, kernel.launch != nullptr,
                      "backward");
   if (ctx.has_error()) return ctx.error();
   if (cudaError_t err = kernel.launch(params, *ctx); err != cudaSuccess) {
@@ -306,19 +306,21 @@ const DeviceInfo* QueryDevice() {
 
 // Which forward kernel family a call would run on the current device, for
 // tests and benchmarks (jflash/_src/ffi.py: cuda_forward_family): 90 (Hopper
-// kernel), 80 (sm80 kernel), 0 (not built), -1 (no usable device or an invalid
-// JFLASH_CUDA_FORWARD). dtype: 0 float16, 1 bfloat16.
+// kernel), 80 (sm80 kernel), 0 (not built), -1 (no usable device, an invalid
+// JFLASH_CUDA_FORWARD or mask kind). dtype: 0 float16, 1 bfloat16; mask_kind:
+// a MaskKind (jflash/_src/masks.py: MASK_KIND_*).
 extern "C" __attribute__((visibility("default"))) int jflash_cuda_forward_family(int dtype,
                                                                                 int head_dim,
-                                                                                int banded) {
+                                                                                int mask_kind) {
   const jflash::DeviceInfo* info = jflash::QueryDevice();
-  if (info == nullptr) return -1;
+  if (info == nullptr || mask_kind < 0 || mask_kind >= jflash::kNumMaskKinds) return -1;
+  const auto mask = static_cast<jflash::MaskKind>(mask_kind);
   const auto kernel = jflash::SelectForward(*info, jflash::forward_choice(),
                                             static_cast<jflash::DType>(dtype), head_dim,
-                                            banded != 0, nullptr);
+                                            mask, nullptr);
   if (kernel.launch == nullptr) return 0;
   return kernel.launch == jflash::cuda::sm90_fwd_kernel_slot(static_cast<jflash::DType>(dtype),
-                                                            head_dim, banded != 0)
+                                                            head_dim, mask)
                                   .launch
              ? 90
              : 80;
@@ -327,14 +329,15 @@ extern "C" __attribute__((visibility("default"))) int jflash_cuda_forward_family
 // The same for the backward (jflash/_src/ffi.py: cuda_backward_family).
 extern "C" __attribute__((visibility("default"))) int jflash_cuda_backward_family(int dtype,
                                                                                  int head_dim,
-                                                                                 int banded) {
+                                                                                 int mask_kind) {
   const jflash::DeviceInfo* info = jflash::QueryDevice();
-  if (info == nullptr) return -1;
+  if (info == nullptr || mask_kind < 0 || mask_kind >= jflash::kNumMaskKinds) return -1;
+  const auto mask = static_cast<jflash::MaskKind>(mask_kind);
   const auto d = static_cast<jflash::DType>(dtype);
   const auto kernel =
-      jflash::SelectBackward(*info, jflash::backward_choice(), d, head_dim, banded != 0, nullptr);
+      jflash::SelectBackward(*info, jflash::backward_choice(), d, head_dim, mask, nullptr);
   if (kernel.launch == nullptr) return 0;
-  return kernel.launch == jflash::cuda::sm90_bwd_kernel_slot(d, head_dim, banded != 0).launch ? 90
+  return kernel.launch == jflash::cuda::sm90_bwd_kernel_slot(d, head_dim, mask).launch ? 90
                                                                                               : 80;
 }
 
@@ -342,17 +345,18 @@ extern "C" __attribute__((visibility("default"))) int jflash_cuda_backward_famil
 // current device (jflash/_src/ffi.py: cuda_kernel_smem_bytes): direction 0
 // forward, 1 backward; 0 when that kernel was not built, -1 as above.
 extern "C" __attribute__((visibility("default"))) int jflash_cuda_kernel_smem_bytes(
-    int direction, int dtype, int head_dim, int banded) {
+    int direction, int dtype, int head_dim, int mask_kind) {
   const jflash::DeviceInfo* info = jflash::QueryDevice();
-  if (info == nullptr) return -1;
+  if (info == nullptr || mask_kind < 0 || mask_kind >= jflash::kNumMaskKinds) return -1;
+  const auto mask = static_cast<jflash::MaskKind>(mask_kind);
   const auto d = static_cast<jflash::DType>(dtype);
   if (direction == 0) {
     const auto kernel =
-        jflash::SelectForward(*info, jflash::forward_choice(), d, head_dim, banded != 0, nullptr);
+        jflash::SelectForward(*info, jflash::forward_choice(), d, head_dim, mask, nullptr);
     return kernel.launch == nullptr ? 0 : kernel.smem_bytes;
   }
   const auto kernel =
-      jflash::SelectBackward(*info, jflash::backward_choice(), d, head_dim, banded != 0, nullptr);
+      jflash::SelectBackward(*info, jflash::backward_choice(), d, head_dim, mask, nullptr);
   return kernel.launch == nullptr ? 0 : kernel.smem_bytes;
 }
 

@@ -4,8 +4,8 @@ Same signature and results as jax.nn.dot_product_attention (jax 0.11). The
 arguments jflash handles run its kernels; the rest go to jax's own function
 (implementation=None) or raise (implementation="jflash").
 
-How jax's masks map to the kernels' band (csrc/include/jflash/mask.h), key j
-visible from query i iff diag_lo <= j - i <= diag_hi:
+How jax's masks map to the kernels' band (masks.top_left_band;
+csrc/include/jflash/mask.h), key j visible from query i iff diag_lo <= j - i <= diag_hi:
   is_causal                      top-left: j <= i, so diag_hi = 0
   local_window_size=(left, right)  i - left <= j <= i + right
 A query row that sees no key is where the two differ: jax fills masked logits
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jflash._src import validation
+from jflash._src import masks, validation
 from jflash._src.flash_attention import attention_band
 
 IMPLEMENTATIONS = (None, "jflash", "xla", "cudnn")
@@ -117,24 +117,6 @@ def _unsupported(query, key, value, bias, mask, scale, q_lengths, kv_lengths, wi
     return None
 
 
-def _band(seqlen_q, seqlen_k, is_causal, window):
-    diag_lo, diag_hi = -seqlen_q, seqlen_k
-    if is_causal:
-        diag_hi = 0
-    if window is not None:
-        left, right = window
-        diag_lo, diag_hi = max(diag_lo, -left), min(diag_hi, right)
-    return diag_lo, diag_hi
-
-
-def _rows_without_keys(seqlen_q, seqlen_k, diag_lo, diag_hi):
-    """[seq_q] bool, True where the band holds no key of [0, seq_k)."""
-    rows = np.arange(seqlen_q)
-    first = np.maximum(rows + diag_lo, 0)
-    last = np.minimum(rows + diag_hi, seqlen_k - 1)
-    return first > last
-
-
 def dot_product_attention(
     query,
     key,
@@ -213,13 +195,13 @@ def dot_product_attention(
     _, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
     window = None if local_window_size is None else _window(local_window_size)
-    diag_lo, diag_hi = _band(seqlen_q, seqlen_k, bool(is_causal), window)
+    diag_lo, diag_hi = masks.top_left_band(seqlen_q, seqlen_k, bool(is_causal), window)
     softmax_scale = 1.0 / np.sqrt(head_dim) if scale is None else _static_scale(scale)
     out, lse = attention_band(
         q, k, v, softmax_scale=float(softmax_scale), diag_lo=diag_lo, diag_hi=diag_hi,
         deterministic=deterministic,
     )
-    empty = _rows_without_keys(seqlen_q, seqlen_k, diag_lo, diag_hi)
+    empty = masks.rows_without_keys(seqlen_q, seqlen_k, diag_lo, diag_hi)
     if empty.any():
         group = num_heads // num_heads_kv
         mean_v = jnp.repeat(jnp.mean(v.astype(jnp.float32), axis=1), group, axis=1)

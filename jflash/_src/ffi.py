@@ -15,6 +15,8 @@ import pathlib
 import jax
 import jaxlib
 
+from jflash._src import masks
+
 FWD_TARGET = "jflash_fwd_v1"
 BWD_TARGET = "jflash_bwd_v2"
 
@@ -132,7 +134,7 @@ def cuda_forward_family(dtype, head_dim: int, banded: bool) -> int:
     code = _cuda_dtype_code(dtype)
     if code is None:
         return 0
-    return int(_cuda_lib.jflash_cuda_forward_family(code, int(head_dim), int(bool(banded))))
+    return int(_cuda_lib.jflash_cuda_forward_family(code, int(head_dim), masks.mask_kind(banded)))
 
 
 def cuda_backward_family(dtype, head_dim: int, banded: bool) -> int:
@@ -145,7 +147,7 @@ def cuda_backward_family(dtype, head_dim: int, banded: bool) -> int:
     code = _cuda_dtype_code(dtype)
     if code is None:
         return 0
-    return int(_cuda_lib.jflash_cuda_backward_family(code, int(head_dim), int(bool(banded))))
+    return int(_cuda_lib.jflash_cuda_backward_family(code, int(head_dim), masks.mask_kind(banded)))
 
 
 def cuda_kernel_smem_bytes(direction: str, dtype, head_dim: int, banded: bool) -> int:
@@ -164,6 +166,6 @@ def cuda_kernel_smem_bytes(direction: str, dtype, head_dim: int, banded: bool) -
         return 0
     return int(
         _cuda_lib.jflash_cuda_kernel_smem_bytes(
-            0 if direction == "fwd" else 1, code, int(head_dim), int(bool(banded))
+            0 if direction == "fwd" else 1, code, int(head_dim), masks.mask_kind(banded)
         )
     )

@@ -17,43 +17,12 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jflash._src import context_parallel, kernel_calls, validation
-from jflash._src.kernel_calls import clamp_band  # noqa: F401  (re-exported)
+from jflash._src.masks import clamp_band, window_band
 
 # Names for jax.checkpoint policies, e.g.
 # jax.checkpoint_policies.save_only_these_names(OUT_NAME, LSE_NAME).
 OUT_NAME = "jflash_out"
 LSE_NAME = "jflash_lse"
-
-
-def causal_band(seqlen_q: int, seqlen_k: int, causal: bool, *, bottom_right: bool = True):
-    """(diag_lo, diag_hi) of csrc/include/jflash/mask.h for a plain or causal mask.
-
-    Bottom-right causal: query i sees key j iff j <= i + seqlen_k - seqlen_q.
-    Top-left causal (jax.nn.dot_product_attention): iff j <= i.
-    """
-    diag_lo = -seqlen_q
-    if not causal:
-        return diag_lo, seqlen_k
-    return diag_lo, (seqlen_k - seqlen_q) if bottom_right else 0
-
-
-def window_band(seqlen_q: int, seqlen_k: int, causal: bool, window_size):
-    """(diag_lo, diag_hi) for causal and a (left, right) window, both bottom-right.
-
-    Query i sees key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k -
-    seqlen_q + right (FlashAttention's convention); -1 leaves a side unbounded,
-    and causal caps right at 0. window_size None is no window.
-    """
-    diag_lo, diag_hi = causal_band(seqlen_q, seqlen_k, causal)
-    if window_size is None:
-        return diag_lo, diag_hi
-    left, right = window_size
-    offset = seqlen_k - seqlen_q
-    if left >= 0:
-        diag_lo = max(diag_lo, offset - left)
-    if right >= 0:
-        diag_hi = min(diag_hi, offset + right)
-    return diag_lo, diag_hi
 
 
 SECOND_ORDER_UNSUPPORTED = (

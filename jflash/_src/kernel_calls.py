@@ -1,7 +1,7 @@
 """The two FFI calls (forward, backward) and how inputs are adapted to them.
 
 Everything here sees kernel-ready shapes: head_dim already padded to one of
-KERNEL_HEAD_DIMS and the mask already reduced to a diagonal band (see
+KERNEL_HEAD_DIMS and the mask already reduced to a diagonal band (masks.py,
 csrc/include/jflash/mask.h). Validation happens before, in flash_attention.py.
 """
 
@@ -16,6 +16,7 @@ import numpy as np
 from jflash._src import context_parallel as _cp
 from jflash._src import ffi as _ffi
 from jflash._src import sharding
+from jflash._src.masks import clamp_band
 
 # Head dims the kernels are built for, read from the library
 # (csrc/include/jflash/head_dims.h, the one list). Other head dims are
@@ -30,13 +31,6 @@ def padded_head_dim(head_dim: int) -> int:
         if head_dim <= d:
             return d
     raise ValueError(f"head_dim {head_dim} exceeds {KERNEL_HEAD_DIMS[-1]}")
-
-
-def clamp_band(seqlen_q: int, seqlen_k: int, diag_lo: int, diag_hi: int):
-    """Clamps a band into [-seqlen_q, seqlen_k], the range the kernels expect."""
-    lo = max(-seqlen_q, min(seqlen_k, int(diag_lo)))
-    hi = max(-seqlen_q, min(seqlen_k, int(diag_hi)))
-    return lo, hi
 
 
 def _fwd_ffi(q, k, v, *, softmax_scale, diag_lo, diag_hi):

@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 
 from jflash._src import context_parallel as cp
-from jflash._src import kernel_calls, validation
+from jflash._src import kernel_calls, masks, validation
 
 
 def _fwd_call(softmax_scale):
     def call(q, k, v, diag_lo, diag_hi):
-        lo, hi = kernel_calls.clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
+        lo, hi = masks.clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
         return kernel_calls.fwd(q, k, v, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi)
 
     return call
@@ -27,7 +27,7 @@ def _fwd_call(softmax_scale):
 
 def _bwd_call(softmax_scale):
     def call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi):
-        lo, hi = kernel_calls.clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
+        lo, hi = masks.clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
         return kernel_calls.bwd(
             q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi
         )

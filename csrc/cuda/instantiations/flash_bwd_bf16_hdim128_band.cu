@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kBFloat16, 128, /*banded=*/true,
-    BwdKernel{&run_flash_bwd<Element, 128, true>,
+[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kBFloat16, 128, MaskKind::kBand,
+    BwdKernel{&run_flash_bwd<Element, 128, BandMask>,
               BwdTraitsSm80<Element, 128>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kBFloat16, 224, /*banded=*/true,
-    BwdKernel{&run_flash_bwd<Element, 224, true>,
+[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kBFloat16, 224, MaskKind::kBand,
+    BwdKernel{&run_flash_bwd<Element, 224, BandMask>,
               BwdTraitsSm80<Element, 224>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kBFloat16, 224, /*banded=*/false,
-    BwdKernel{&run_flash_bwd<Element, 224, false>,
+[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kBFloat16, 224, MaskKind::kNone,
+    BwdKernel{&run_flash_bwd<Element, 224, NoMask>,
               BwdTraitsSm80<Element, 224>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kBFloat16, 32, /*banded=*/false,
-    BwdKernel{&run_flash_bwd<Element, 32, false>,
+[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kBFloat16, 32, MaskKind::kNone,
+    BwdKernel{&run_flash_bwd<Element, 32, NoMask>,
               BwdTraitsSm80<Element, 32>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kBFloat16, 96, /*banded=*/false,
-    BwdKernel{&run_flash_bwd<Element, 96, false>,
+[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kBFloat16, 96, MaskKind::kNone,
+    BwdKernel{&run_flash_bwd<Element, 96, NoMask>,
               BwdTraitsSm80<Element, 96>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

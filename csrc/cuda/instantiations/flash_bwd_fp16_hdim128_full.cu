@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kFloat16, 128, /*banded=*/false,
-    BwdKernel{&run_flash_bwd<Element, 128, false>,
+[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kFloat16, 128, MaskKind::kNone,
+    BwdKernel{&run_flash_bwd<Element, 128, NoMask>,
               BwdTraitsSm80<Element, 128>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kFloat16, 160, /*banded=*/true,
-    BwdKernel{&run_flash_bwd<Element, 160, true>,
+[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kFloat16, 160, MaskKind::kBand,
+    BwdKernel{&run_flash_bwd<Element, 160, BandMask>,
               BwdTraitsSm80<Element, 160>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

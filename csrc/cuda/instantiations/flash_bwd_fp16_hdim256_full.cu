@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kFloat16, 256, /*banded=*/false,
-    BwdKernel{&run_flash_bwd<Element, 256, false>,
+[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kFloat16, 256, MaskKind::kNone,
+    BwdKernel{&run_flash_bwd<Element, 256, NoMask>,
               BwdTraitsSm80<Element, 256>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kFloat16, 96, /*banded=*/true,
-    BwdKernel{&run_flash_bwd<Element, 96, true>,
+[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kFloat16, 96, MaskKind::kBand,
+    BwdKernel{&run_flash_bwd<Element, 96, BandMask>,
               BwdTraitsSm80<Element, 96>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_sm90_bwd_kernel(DType::kBFloat16, 128, /*banded=*/true,
-    BwdKernel{&sm90::run_flash_bwd_sm90<Element, 128, true>,
+[[maybe_unused]] const bool kRegistered = register_sm90_bwd_kernel(DType::kBFloat16, 128, MaskKind::kBand,
+    BwdKernel{&sm90::run_flash_bwd_sm90<Element, 128, BandMask>,
               sm90::BwdTraitsSm90<Element, 128>::kSmemBytes,
               &sm90::tma_compatible_bwd});
 }  // namespace

@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kBFloat16, 192, /*banded=*/false,
-    BwdKernel{&run_flash_bwd<Element, 192, false, SmemClass::kSmall>,
+[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kBFloat16, 192, MaskKind::kNone,
+    BwdKernel{&run_flash_bwd<Element, 192, NoMask, SmemClass::kSmall>,
               BwdTraitsSm80<Element, 192, SmemClass::kSmall>::kSmemBytes},
     SmemClass::kSmall);
 static_assert(has_small_bwd_tile(192));

@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kBFloat16, 160, /*banded=*/true,
-    FwdKernel{&run_flash_fwd<Element, 160, true>,
+[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kBFloat16, 160, MaskKind::kBand,
+    FwdKernel{&run_flash_fwd<Element, 160, BandMask>,
               FwdTraitsSm80<Element, 160>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kBFloat16, 192, /*banded=*/false,
-    FwdKernel{&run_flash_fwd<Element, 192, false>,
+[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kBFloat16, 192, MaskKind::kNone,
+    FwdKernel{&run_flash_fwd<Element, 192, NoMask>,
               FwdTraitsSm80<Element, 192>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

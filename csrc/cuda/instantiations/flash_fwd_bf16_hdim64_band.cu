@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kBFloat16, 64, /*banded=*/true,
-    FwdKernel{&run_flash_fwd<Element, 64, true>,
+[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kBFloat16, 64, MaskKind::kBand,
+    FwdKernel{&run_flash_fwd<Element, 64, BandMask>,
               FwdTraitsSm80<Element, 64>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

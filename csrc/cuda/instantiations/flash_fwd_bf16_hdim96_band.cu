@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kBFloat16, 96, /*banded=*/true,
-    FwdKernel{&run_flash_fwd<Element, 96, true>,
+[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kBFloat16, 96, MaskKind::kBand,
+    FwdKernel{&run_flash_fwd<Element, 96, BandMask>,
               FwdTraitsSm80<Element, 96>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

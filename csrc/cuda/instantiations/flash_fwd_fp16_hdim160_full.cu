@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kFloat16, 160, /*banded=*/false,
-    FwdKernel{&run_flash_fwd<Element, 160, false>,
+[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kFloat16, 160, MaskKind::kNone,
+    FwdKernel{&run_flash_fwd<Element, 160, NoMask>,
               FwdTraitsSm80<Element, 160>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kFloat16, 32, /*banded=*/true,
-    FwdKernel{&run_flash_fwd<Element, 32, true>,
+[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kFloat16, 32, MaskKind::kBand,
+    FwdKernel{&run_flash_fwd<Element, 32, BandMask>,
               FwdTraitsSm80<Element, 32>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

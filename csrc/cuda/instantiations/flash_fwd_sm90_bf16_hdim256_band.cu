@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_sm90_fwd_kernel(DType::kBFloat16, 256, /*banded=*/true,
-    FwdKernel{&sm90::run_flash_fwd_sm90<Element, 256, true>,
+[[maybe_unused]] const bool kRegistered = register_sm90_fwd_kernel(DType::kBFloat16, 256, MaskKind::kBand,
+    FwdKernel{&sm90::run_flash_fwd_sm90<Element, 256, BandMask>,
               sm90::FwdTraitsSm90<Element, 256>::kSmemBytes, &tma_compatible});
 }  // namespace
 }  // namespace jflash::cuda

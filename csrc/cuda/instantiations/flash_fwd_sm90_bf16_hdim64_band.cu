@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_sm90_fwd_kernel(DType::kBFloat16, 64, /*banded=*/true,
-    FwdKernel{&sm90::run_flash_fwd_sm90<Element, 64, true>,
+[[maybe_unused]] const bool kRegistered = register_sm90_fwd_kernel(DType::kBFloat16, 64, MaskKind::kBand,
+    FwdKernel{&sm90::run_flash_fwd_sm90<Element, 64, BandMask>,
               sm90::FwdTraitsSm90<Element, 64>::kSmemBytes, &tma_compatible});
 }  // namespace
 }  // namespace jflash::cuda

@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kBFloat16, 256, /*banded=*/false,
-    FwdKernel{&run_flash_fwd<Element, 256, false, SmemClass::kSmall>,
+[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kBFloat16, 256, MaskKind::kNone,
+    FwdKernel{&run_flash_fwd<Element, 256, NoMask, SmemClass::kSmall>,
               FwdTraitsSm80<Element, 256, SmemClass::kSmall>::kSmemBytes},
     SmemClass::kSmall);
 static_assert(has_small_fwd_tile(256));

@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kFloat16, 224, /*banded=*/false,
-    FwdKernel{&run_flash_fwd<Element, 224, false, SmemClass::kSmall>,
+[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kFloat16, 224, MaskKind::kNone,
+    FwdKernel{&run_flash_fwd<Element, 224, NoMask, SmemClass::kSmall>,
               FwdTraitsSm80<Element, 224, SmemClass::kSmall>::kSmemBytes},
     SmemClass::kSmall);
 static_assert(has_small_fwd_tile(224));

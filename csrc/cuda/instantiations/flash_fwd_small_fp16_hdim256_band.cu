@@ -4,8 +4,8 @@
 namespace jflash::cuda {
 namespace {
 using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kFloat16, 256, /*banded=*/true,
-    FwdKernel{&run_flash_fwd<Element, 256, true, SmemClass::kSmall>,
+[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kFloat16, 256, MaskKind::kBand,
+    FwdKernel{&run_flash_fwd<Element, 256, BandMask, SmemClass::kSmall>,
               FwdTraitsSm80<Element, 256, SmemClass::kSmall>::kSmemBytes},
     SmemClass::kSmall);
 static_assert(has_small_fwd_tile(256));

@@ -130,7 +130,7 @@ __device__ __forceinline__ void write_dq(const BwdArgsSm90<Traits>& args,
   }
 }
 
-template <typename Traits, bool kBanded>
+template <typename Traits, typename Mask>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ BwdArgsSm90<Traits> args) {
   using Element = typename Traits::Element;
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int n_block = blockIdx.x;
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
-  const KeyBlockSteps<kBlockM, kBlockN, kBanded> steps(params, n_block, kv_head);
+  const KeyBlockSteps<kBlockM, kBlockN, Mask> steps(params, n_block, kv_head);
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -272,9 +272,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kCols = decltype(size<1>(cS_rc))::value;  // query rows it holds
 
   const int key0 = n_block * kBlockN;
-  // The band's diagonal bounds fit in int: they are clamped to [-seqlen_q, seqlen_k].
-  const int diag_lo = static_cast<int>(params.mask.diag_lo);
-  const int diag_hi = static_cast<int>(params.mask.diag_hi);
+  const Mask mask(params.mask);
+  // The per-element test, built before the loop: its barriers and fences
+  // would make the compiler reload the bounds per step.
+  const auto visible = mask.template element_test<int>();
   const bool warp_leader = tidx % 32 == 0;
   // Named barrier (CUTLASS numbering, past its reserved ones): both
   // consumers' dS^T rows are in shared memory.
@@ -333,11 +334,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     warpgroup_wait<1>();
     warpgroup_fence_operand(acc_s);
     Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
-    bool needs_mask = key0 + kBlockN > params.seqlen_k;
-    if constexpr (kBanded) {
-      needs_mask = needs_mask || !params.mask.tile_all_visible(
-                                     row0, min(row0 + kBlockM, params.seqlen_q), key0, key0 + kBlockN);
-    }
+    const bool needs_mask =
+        key0 + kBlockN > params.seqlen_k ||
+        mask.tile_class(row0, min(row0 + kBlockM, params.seqlen_q), key0, key0 + kBlockN) !=
+            TileClass::kFull;
     float lse_log2[kCols];  // of this thread's query rows (columns)
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) lse_log2[c] = smem.lse_log2[buffer][get<1>(cS_rc(0, c))];
@@ -349,9 +349,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (needs_mask) {
           const int key = key0 + get<0>(cS_rc(r, c));
           const int row = row0 + get<1>(cS_rc(r, c));
-          bool visible = key < params.seqlen_k;
-          if constexpr (kBanded) visible = visible && key - row >= diag_lo && key - row <= diag_hi;
-          if (!visible) p = 0.f;
+          if (key >= params.seqlen_k || !visible(row, key)) p = 0.f;
         }
         s_rc(r, c) = p;
       }
@@ -443,7 +441,7 @@ inline bool tma_compatible_bwd(const BwdParams& p) {
          stride_ok(p.dout_head_stride) && stride_ok(p.dout_batch_stride);
 }
 
-template <typename Element, int kHeadDim, bool kBanded>
+template <typename Element, int kHeadDim, typename Mask>
 cudaError_t run_flash_bwd_sm90(const BwdParams& params, const LaunchContext& ctx) {
   using Traits = BwdTraitsSm90<Element, kHeadDim>;
   if (cudaError_t err = launch_bwd_preprocess<Element, kHeadDim>(params, ctx); err != cudaSuccess) {
@@ -480,7 +478,7 @@ cudaError_t run_flash_bwd_sm90(const BwdParams& params, const LaunchContext& ctx
                     take<0, 2>(typename Traits::SmemLayoutdQ{}),
                     Shape<Int<Traits::kBlockM>, Int<Traits::kDqCols>>{}),
   };
-  auto kernel = &flash_bwd_sm90_kernel<Traits, kBanded>;
+  auto kernel = &flash_bwd_sm90_kernel<Traits, Mask>;
   constexpr int kSmemBytes = Traits::kSmemBytes;
   if (cudaError_t err =
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);

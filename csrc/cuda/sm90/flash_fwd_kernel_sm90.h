@@ -59,12 +59,12 @@ namespace jflash::cuda::sm90 {
 
 using namespace cute;
 
-template <typename Traits, bool kBanded>
+template <typename Traits, typename Mask>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ FwdArgsSm90<Traits> args) {
-  using Scheduler = TileSchedulerSm90<Traits::kBlockM, Traits::kBlockN, kBanded>;
-  using Producer = FwdProducerSm90<Traits, kBanded>;
-  using Mainloop = FwdMainloopSm90<Traits, kBanded>;
+  using Scheduler = TileSchedulerSm90<Traits::kBlockM, Traits::kBlockN, Mask>;
+  using Producer = FwdProducerSm90<Traits, Mask>;
+  using Mainloop = FwdMainloopSm90<Traits, Mask>;
   using Epilogue = FwdEpilogueSm90<Traits>;
   const FwdParams& params = args.params;
   extern __shared__ __align__(1024) char smem_raw[];
@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   epilogue.finish();
 }
 
-template <typename Traits, bool kBanded>
+template <typename Traits, typename Mask>
 cudaError_t launch_flash_fwd_sm90(const FwdParams& params, const LaunchContext& ctx) {
   using Element = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -140,7 +140,7 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& params, const LaunchContext& 
                                 params.out_batch_stride)),
         take<0, 2>(typename Traits::SmemLayoutO{}), Shape<_64, Int<kHeadDim>>{});
   }
-  auto kernel = &flash_fwd_sm90_kernel<Traits, kBanded>;
+  auto kernel = &flash_fwd_sm90_kernel<Traits, Mask>;
   constexpr int kSmemBytes = Traits::kSmemBytes;
   if (cudaError_t err = cudaFuncSetAttribute(
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
@@ -148,7 +148,7 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& params, const LaunchContext& 
     return err;
   }
   const int64_t num_ctas =
-      TileSchedulerSm90<Traits::kBlockM, Traits::kBlockN, kBanded>::grid_size(params, ctx.sm_count);
+      TileSchedulerSm90<Traits::kBlockM, Traits::kBlockN, Mask>::grid_size(params, ctx.sm_count);
   if (num_ctas < 0) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(num_ctas));
   kernel<<<grid, Traits::kNThreads, kSmemBytes, ctx.stream>>>(args);
@@ -157,17 +157,17 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& params, const LaunchContext& 
 
 // The entry point of the registry: the head dim's tile, or under a band on
 // short rows the short-band tile where the head dim has one.
-template <typename Element, int kHeadDim, bool kBanded, bool kPingPong = true>
+template <typename Element, int kHeadDim, typename Mask, bool kPingPong = true>
 cudaError_t run_flash_fwd_sm90(const FwdParams& params, const LaunchContext& ctx) {
-  if constexpr (kBanded && sm90_fwd_tile_short_band(kHeadDim).block_m > 0) {
+  if constexpr (!Mask::kDense && sm90_fwd_tile_short_band(kHeadDim).block_m > 0) {
     using Short = FwdTraitsSm90<Element, kHeadDim, kPingPong, /*kShortBand=*/true>;
     static_assert(Short::kSmemBytes <= FwdTraitsSm90<Element, kHeadDim, kPingPong>::kSmemBytes,
                   "the registry reports the main tile's shared memory");
     if (params.seqlen_q <= kSm90ShortBandMaxLen && params.seqlen_k <= kSm90ShortBandMaxLen) {
-      return launch_flash_fwd_sm90<Short, kBanded>(params, ctx);
+      return launch_flash_fwd_sm90<Short, Mask>(params, ctx);
     }
   }
-  return launch_flash_fwd_sm90<FwdTraitsSm90<Element, kHeadDim, kPingPong>, kBanded>(params, ctx);
+  return launch_flash_fwd_sm90<FwdTraitsSm90<Element, kHeadDim, kPingPong>, Mask>(params, ctx);
 }
 
 }  // namespace jflash::cuda::sm90

@@ -26,10 +26,10 @@ using namespace cute;
 // ---------------------------------------------------------------- producer
 // One thread of the producer warpgroup issues every TMA copy: each tile's Q
 // (once its buffer is free again), then its K and V tiles into the rings.
-template <typename Traits, bool kBanded>
+template <typename Traits, typename Mask>
 struct FwdProducerSm90 {
   using SharedStorage = typename Traits::SharedStorage;
-  using Scheduler = TileSchedulerSm90<Traits::kBlockM, Traits::kBlockN, kBanded>;
+  using Scheduler = TileSchedulerSm90<Traits::kBlockM, Traits::kBlockN, Mask>;
   using Tile = typename Scheduler::Tile;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
@@ -139,11 +139,11 @@ struct FwdProducerSm90 {
 // ---------------------------------------------------------------- consumers
 // One consumer warpgroup's 64 query rows of a tile: per key tile S = Q K^T,
 // the online softmax of S, and O = O * correction + P V.
-template <typename Traits, bool kBanded>
+template <typename Traits, typename Mask>
 struct FwdMainloopSm90 {
   using Element = typename Traits::Element;
   using SharedStorage = typename Traits::SharedStorage;
-  using Tile = typename TileSchedulerSm90<Traits::kBlockM, Traits::kBlockN, kBanded>::Tile;
+  using Tile = typename TileSchedulerSm90<Traits::kBlockM, Traits::kBlockN, Mask>::Tile;
   using Barriers = FwdNamedBarriersSm90<Traits::kConsumerWarpgroups, Traits::kPingPong>;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
@@ -166,7 +166,7 @@ struct FwdMainloopSm90 {
   static constexpr int kRows = decltype(size<0>(SRowColLayout{}))::value;  // query rows this thread holds (2)
   static constexpr int kCols = decltype(size<1>(SRowColLayout{}))::value;  // columns per row and thread
   using Softmax = SoftmaxSm90<kRows, kCols>;
-  using Mask = ScoreMaskSm90<kBlockN, kRows, kCols, kBanded>;
+  using ScoreMask = ScoreMaskSm90<kBlockN, kRows, kCols, Mask>;
 
   // Ping-pong: consumer c may issue products once barrier (Barriers::kTurn +
   // c) completes, and hands the turn to the other consumer after issuing. Each
@@ -179,7 +179,7 @@ struct FwdMainloopSm90 {
   // after the exponentials. Measured in cycles per launch (ncu, H200, head
   // dim 128; docs/cuda_kernels.md, Hopper forward: softmax): unmasked, the turn took 0.7% (4k) and
   // 1.5% (16k) fewer than the vote; causal 4k, 3% more.
-  static constexpr bool kSettleAtTurn = Traits::kStaleMax && Traits::kPingPong && !kBanded;
+  static constexpr bool kSettleAtTurn = Traits::kStaleMax && Traits::kPingPong && Mask::kDense;
 
   const FwdParams& params;
   SharedStorage& smem;
@@ -204,7 +204,7 @@ struct FwdMainloopSm90 {
   decltype(std::declval<ThrMmaQK&>().partition_C(
       make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}))) cS;
   const bool warp_leader;
-  Mask mask;
+  ScoreMask mask;
   // kStaleMax with ping-pong: each warp's verdict on its softmax of a key tile
   // (redo: some row's max rose too far), published in shared memory and read
   // by the whole warpgroup after the next turn's barrier. The accesses are

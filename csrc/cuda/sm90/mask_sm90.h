@@ -16,7 +16,7 @@ using namespace cute;
 
 // kRows x kCols: the score elements a consumer thread holds per key tile
 // (the (rows, cols) view of its wgmma accumulator), of a tile of kBlockN keys.
-template <int kBlockN, int kRows, int kCols, bool kBanded>
+template <int kBlockN, int kRows, int kCols, typename Mask>
 struct ScoreMaskSm90 {
   const FwdParams& params;
   // Masking works on the raw scores, before the scale: a hidden score becomes
@@ -53,9 +53,10 @@ struct ScoreMaskSm90 {
       key_hi[r] = params.seqlen_k;
       if (row >= params.seqlen_q) {
         key_hi[r] = params.seqlen_k + kBlockN;
-      } else if constexpr (kBanded) {
-        key_lo[r] = static_cast<int>(min<int64_t>(params.mask.key_begin(row), params.seqlen_k));
-        key_hi[r] = static_cast<int>(max<int64_t>(params.mask.key_end(row + 1, params.seqlen_k), 0));
+      } else if constexpr (!Mask::kDense) {
+        const IndexRange keys = Mask(params.mask).row_keys(row, params.seqlen_k);
+        key_lo[r] = static_cast<int>(keys.begin);
+        key_hi[r] = static_cast<int>(keys.end);
       }
     }
   }
@@ -66,8 +67,8 @@ struct ScoreMaskSm90 {
   __device__ __forceinline__ bool mask_scores(int n_block, ScoresRowCol& s_rc,
                                               const CoordRowCol& cS_rc) const {
     const int key0 = n_block * kBlockN;
-    bool needs_mask = key0 + kBlockN > params.seqlen_k;  // all rows alike without a band
-    if constexpr (kBanded) {
+    bool needs_mask = key0 + kBlockN > params.seqlen_k;  // all rows alike when dense
+    if constexpr (!Mask::kDense) {
       bool cut = false;
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) cut |= key_lo[r] > key0 || key_hi[r] < key0 + kBlockN;

@@ -18,8 +18,8 @@ namespace jflash::cuda::sm90 {
 // c, c + gridDim.x, ...; units run head-major (query blocks fastest, then
 // head, then batch), so the CTAs running at one time share heads and their
 // K/V stay in L2.
-//   Unmasked: a unit is one query block; all take the same time.
-//   Banded: tiles differ in length (causal: later query blocks see more
+//   Dense mask (NoMask): a unit is one query block; all take the same time.
+//   Otherwise (a band): tiles differ in length (causal: later query blocks see more
 //     keys), so a unit is a pair of query blocks, the p-th longest and the
 //     p-th shortest of a head, and units take about the same time again.
 //     Measured on the way (H200, causal, head dim 128): one tile per unit
@@ -27,10 +27,12 @@ namespace jflash::cuda::sm90 {
 //     query-block-fastest tiles hands each CTA one residue class of blocks,
 //     all long or all short; longest-first across heads gave 0.93-0.94x.
 // Slot t is tile t % kTilesPerUnit of unit t / kTilesPerUnit.
-template <int kBlockM, int kBlockN, bool kBanded>
+template <int kBlockM, int kBlockN, typename Mask>
 class TileSchedulerSm90 {
  public:
-  static constexpr int kTilesPerUnit = kBanded ? 2 : 1;
+  static_assert(!Mask::kEmptyTilesInRange,
+                "the producer loads every key tile of a query block's key range");
+  static constexpr int kTilesPerUnit = Mask::kDense ? 1 : 2;
 
   // Query blocks of a head, and work units per head.
   CUTE_HOST_DEVICE static int num_m_blocks(const FwdParams& params) {
@@ -49,7 +51,7 @@ class TileSchedulerSm90 {
     const int64_t num_units = units_per_head_ * params.num_heads * params.batch;
     if (num_units * kTilesPerUnit > INT32_MAX) return -1;
     int64_t num_ctas = std::min<int64_t>(num_units, sm_count);
-    if constexpr (kBanded) {
+    if constexpr (!Mask::kDense) {
       // CTA c runs units c + i * num_ctas, i.e. query-block pairs p = (c + i *
       // num_ctas) mod units_per_head. Pairs differ in length when a head has an
       // odd number of query blocks (the middle one runs alone) or a partial last
@@ -93,7 +95,7 @@ class TileSchedulerSm90 {
     const int p = unit % units_per_head_;
     tile.head = (unit / units_per_head_) % params_.num_heads;
     tile.batch = unit / (units_per_head_ * params_.num_heads);
-    if constexpr (kBanded) {
+    if constexpr (!Mask::kDense) {
       const int longest = num_m_blocks_ - 1 - p;
       tile.m_block = t % 2 == 0 ? longest : p;
       tile.valid = t % 2 == 0 || p != longest;
@@ -103,12 +105,10 @@ class TileSchedulerSm90 {
     }
     tile.row_begin = tile.m_block * kBlockM;
     tile.row_end = min(tile.row_begin + kBlockM, params_.seqlen_q);
-    int key_begin = 0;
-    int key_end = params_.seqlen_k;
-    if constexpr (kBanded) {
-      key_begin = static_cast<int>(params_.mask.key_begin(tile.row_begin));
-      key_end = static_cast<int>(params_.mask.key_end(tile.row_end, params_.seqlen_k));
-    }
+    const IndexRange keys =
+        Mask(params_.mask).keys_of_rows(tile.row_begin, tile.row_end, params_.seqlen_k);
+    const int key_begin = static_cast<int>(keys.begin);
+    const int key_end = static_cast<int>(keys.end);
     tile.n_block_begin = key_begin / kBlockN;
     tile.n_tiles = key_begin < key_end ? cute::ceil_div(key_end, kBlockN) - tile.n_block_begin : 0;
     return tile;

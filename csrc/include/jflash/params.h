@@ -50,7 +50,7 @@ struct FwdParams {
   float softmax_scale;       // applied to q.k before the softmax
   float softmax_scale_log2;  // softmax_scale * log2(e), for exp2-based kernels
 
-  BandMask mask;
+  MaskParams mask;  // read through a policy (jflash/mask.h)
 };
 
 // Counters per (batch, head) in dq_semaphore: two per 32 query rows, enough for

@@ -1,0 +1,97 @@
+"""The attention mask in Python: every front end's mask reduced to the kernels' band.
+
+The kernels take one band (csrc/include/jflash/mask.h): key j is visible from
+query i iff diag_lo <= j - i <= diag_hi. This module is the one place that
+builds it from each front end's arguments and answers the questions asked of
+it outside the kernels:
+
+  causal_band, window_band  flash_attention's causal mask and window, aligned
+                            bottom-right (FlashAttention's convention)
+  top_left_band             jax.nn.dot_product_attention's is_causal and
+                            local_window_size, aligned top-left
+  clamp_band                the range [-seq_q, seq_k] the kernels expect
+  visible                   the [seq_q, seq_k] mask itself (the reference)
+  rows_without_keys         the query rows that see no key at all
+
+MASK_KIND_* mirror the C++ MaskKind, the kernels' dispatch key.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+# MaskKind of csrc/include/jflash/mask.h.
+MASK_KIND_NONE = 0
+MASK_KIND_BAND = 1
+
+
+def mask_kind(banded: bool) -> int:
+    """The MaskKind of a call: the band kernels, or the unmasked ones."""
+    return MASK_KIND_BAND if banded else MASK_KIND_NONE
+
+
+def clamp_band(seqlen_q: int, seqlen_k: int, diag_lo: int, diag_hi: int):
+    """Clamps a band into [-seqlen_q, seqlen_k], the range the kernels expect."""
+    lo = max(-seqlen_q, min(seqlen_k, int(diag_lo)))
+    hi = max(-seqlen_q, min(seqlen_k, int(diag_hi)))
+    return lo, hi
+
+
+def causal_band(seqlen_q: int, seqlen_k: int, causal: bool, *, bottom_right: bool = True):
+    """(diag_lo, diag_hi) for no mask or a causal one.
+
+    Bottom-right causal: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+    Top-left causal (jax.nn.dot_product_attention): iff j <= i.
+    """
+    diag_lo = -seqlen_q
+    if not causal:
+        return diag_lo, seqlen_k
+    return diag_lo, (seqlen_k - seqlen_q) if bottom_right else 0
+
+
+def window_band(seqlen_q: int, seqlen_k: int, causal: bool, window_size):
+    """(diag_lo, diag_hi) for causal and a (left, right) window, both bottom-right.
+
+    Query i sees key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k -
+    seqlen_q + right (FlashAttention's convention); -1 leaves a side unbounded,
+    and causal caps right at 0. window_size None is no window.
+    """
+    diag_lo, diag_hi = causal_band(seqlen_q, seqlen_k, causal)
+    if window_size is None:
+        return diag_lo, diag_hi
+    left, right = window_size
+    offset = seqlen_k - seqlen_q
+    if left >= 0:
+        diag_lo = max(diag_lo, offset - left)
+    if right >= 0:
+        diag_hi = min(diag_hi, offset + right)
+    return diag_lo, diag_hi
+
+
+def top_left_band(seqlen_q: int, seqlen_k: int, is_causal: bool, window):
+    """(diag_lo, diag_hi) of jax.nn.dot_product_attention's masks, aligned top-left.
+
+    is_causal: j <= i. window (left, right), already a pair of ints:
+    i - left <= j <= i + right.
+    """
+    diag_lo, diag_hi = causal_band(seqlen_q, seqlen_k, is_causal, bottom_right=False)
+    if window is not None:
+        left, right = window
+        diag_lo, diag_hi = max(diag_lo, -left), min(diag_hi, right)
+    return diag_lo, diag_hi
+
+
+def visible(seqlen_q: int, seqlen_k: int, diag_lo: int, diag_hi: int):
+    """[seqlen_q, seqlen_k] bool (jnp), True where query i sees key j."""
+    offset = jnp.arange(seqlen_k)[None, :] - jnp.arange(seqlen_q)[:, None]  # j - i
+    return (offset >= diag_lo) & (offset <= diag_hi)
+
+
+def rows_without_keys(seqlen_q: int, seqlen_k: int, diag_lo: int, diag_hi: int):
+    """[seqlen_q] bool (numpy, from the static shapes), True where the band holds
+    no key of [0, seqlen_k): the rows the kernels write as out 0, lse -inf."""
+    rows = np.arange(seqlen_q)
+    first = np.maximum(rows + diag_lo, 0)
+    last = np.minimum(rows + diag_hi, seqlen_k - 1)
+    return first > last
