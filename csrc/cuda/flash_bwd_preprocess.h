@@ -206,9 +206,8 @@ cudaError_t launch_bwd_preprocess(const BwdParams& params, const LaunchContext& 
     return err;
   }
   if (params.dq_semaphore != nullptr) {
-    const int64_t count =
-        int64_t{params.batch} * params.num_heads * dq_semaphore_slots(params.seqlen_q);
-    if (cudaError_t err = cudaMemsetAsync(params.dq_semaphore, 0, count * sizeof(int), ctx.stream);
+    if (cudaError_t err = cudaMemsetAsync(params.dq_semaphore, 0,
+                                          dq_semaphore_count(params) * sizeof(int), ctx.stream);
         err != cudaSuccess) {
       return err;
     }

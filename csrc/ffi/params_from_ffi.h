@@ -164,10 +164,9 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   }
   // dq_semaphore: empty (dQ additions in any order) or one int32 counter per
   // slot of params.h's dq_semaphore_slots (deterministic mode).
-  const int64_t semaphores =
-      int64_t{p->batch} * p->num_heads * dq_semaphore_slots(p->seqlen_q);
   if (dq_semaphore.element_type() != ffi::DataType::S32 ||
-      (dq_semaphore.element_count() != 0 && dq_semaphore.element_count() != semaphores)) {
+      (dq_semaphore.element_count() != 0 &&
+       dq_semaphore.element_count() != dq_semaphore_count(*p))) {
     return ffi::Error::InvalidArgument("jflash: bad dq_semaphore buffer");
   }
   p->dout = dout.untyped_data();

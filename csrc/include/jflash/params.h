@@ -83,4 +83,10 @@ struct BwdParams : FwdParams {
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
 };
 
+// Length of dq_semaphore in deterministic mode (the handler checks it, the
+// preprocess zeroes it).
+constexpr int64_t dq_semaphore_count(const BwdParams& p) {
+  return int64_t{p.batch} * p.num_heads * dq_semaphore_slots(p.seqlen_q);
+}
+
 }  // namespace jflash
