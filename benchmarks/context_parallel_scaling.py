@@ -108,11 +108,9 @@ def main(argv=None):
     mesh = jax.make_mesh((n,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
     seq_sharded = NamedSharding(mesh, P(None, "seq"))
     causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
-    auto = choose_strategy("auto", n, args.heads, args.kv_heads)
     payload = dict(environment=env, config=vars(args) | {"out": str(out_path), "devices_used": n},
-                   auto_strategy=auto, checks=[], records=[])
-    print(f"{n} x {env['device_kind']}, jax {env['jax_version']}, commit {env['jflash_commit']}; "
-          f"auto picks {auto} for {args.heads}/{args.kv_heads} heads")
+                   checks=[], records=[])
+    print(f"{n} x {env['device_kind']}, jax {env['jax_version']}, commit {env['jflash_commit']}")
 
     def draw(seq, sharding, seed):
         """q, k, v, cotangent [batch, seq, heads, head_dim], drawn where they live."""
@@ -205,6 +203,7 @@ def main(argv=None):
     rows = []
     for seq in args.seqs:
         local = seq // n
+        auto = choose_strategy("auto", n, args.heads, args.kv_heads, keys_per_device=local)
         arrays = None
         single_arrays = None
         for causal in causals:
@@ -247,7 +246,8 @@ def main(argv=None):
                     traceback.print_exc()
                 payload["records"].append(rec)
                 common.write_json(out_path, payload)
-                rows.append([seq, "yes" if causal else "no", strategy, layout,
+                rows.append([seq, "yes" if causal else "no",
+                             strategy + (" (auto)" if strategy == auto else ""), layout,
                              common.fmt_rate(single), common.fmt_rate(rec.get("tflops_per_device")),
                              common.fmt(rec.get("efficiency"), 3), rec.get("skipped") or
                              (rec.get("error", "")[:40] or "")])

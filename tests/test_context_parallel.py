@@ -170,6 +170,9 @@ def test_ring_memory_stays_at_the_local_shard(rng):
 def test_auto_strategy_heuristic(rng):
     choose = jflash.context_parallel.choose_strategy
     assert choose("auto", 2, 8, 8) == "all_gather"  # short ring
+    assert choose("auto", 2, 8, 8, keys_per_device=131072) == "all_gather"
+    assert choose("auto", 2, 8, 8, keys_per_device=262144) == "ring"  # long blocks: ring
+    assert choose("auto", 2, 16, 2, keys_per_device=262144) == "all_gather"  # few kv heads
     assert choose("auto", 4, 8, 8) == "ring"
     assert choose("auto", 4, 16, 2) == "all_gather"  # few kv heads: K/V smaller than q
     assert choose("ring", 2, 16, 1) == "ring"

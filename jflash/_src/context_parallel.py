@@ -50,11 +50,9 @@ _layout_context = jax.make_user_context(default_value=("contiguous", None))
 def context_parallel_strategy(strategy: str):
     """Picks how sequence-sharded attention runs, for calls traced inside the block.
 
-    "auto" (the default): all_gather when the ring has at most 2 devices or the
-    whole sequence's K and V are no bigger than a device's query block
-    (num_heads >= 2 * n * num_heads_kv, GQA/MQA with few kv heads); ring
-    otherwise. "ring" or "all_gather" force one. Read at trace time; a jitted
-    function is traced again when the strategy changes.
+    "auto" (the default): see choose_strategy. "ring" or "all_gather" force
+    one. Read at trace time; a jitted function is traced again when the
+    strategy changes.
     """
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -195,11 +193,33 @@ def band_kind(seqlen_q, seqlen_k, diag_lo, diag_hi):
     return None
 
 
-def choose_strategy(strategy, axis_size, num_heads, num_heads_kv):
-    """The "auto" heuristic (see context_parallel_strategy)."""
+# Keys per device from which a ring of two devices beats the all-gather. Measured
+# on 2 NVIDIA H200 (NVLink), bfloat16, head dim 128, 16 query heads over 8 kv
+# heads, forward+backward (benchmarks/results/
+# gpu_2x-nvidia-h200_20261124_context-parallel-scaling.json): per-device rate
+# all-gather / ring 1.08 (unmasked) and 0.99 (causal) at 64k keys per device,
+# 1.04 and 1.00 at 128k, 0.98 and 0.96 at 256k, and causal 0.99 at 512k, where
+# the all-gather also holds 1.5x the ring's temporaries (21 against 15 GB).
+RING_MIN_KEYS_PER_DEVICE_AT_2 = 262144
+
+
+def choose_strategy(strategy, axis_size, num_heads, num_heads_kv, keys_per_device=None):
+    """The "auto" heuristic: which strategy a sequence sharding runs.
+
+    all_gather when the whole sequence's K and V are no bigger than a device's
+    query block (num_heads >= 2 * axis_size * num_heads_kv: GQA/MQA with few kv
+    heads), or when the ring has 2 devices and fewer than
+    RING_MIN_KEYS_PER_DEVICE_AT_2 keys per device (one hop: little to overlap,
+    and the all-gather's one collective measured faster there); ring otherwise.
+    keys_per_device None counts as short. "ring" or "all_gather" are returned
+    as given.
+    """
     if strategy != "auto":
         return strategy
-    if axis_size <= 2 or num_heads >= 2 * axis_size * num_heads_kv:
+    if num_heads >= 2 * axis_size * num_heads_kv:
+        return "all_gather"
+    if axis_size <= 2 and (keys_per_device is None
+                           or keys_per_device < RING_MIN_KEYS_PER_DEVICE_AT_2):
         return "all_gather"
     return "ring"
 
@@ -217,7 +237,8 @@ def make_plan(config, axis_name, axis_size, seqlen_q, seqlen_k, num_heads, num_h
         layout = "contiguous"  # no mask: the token order does not matter
     elif layout == "zigzag" and (layout_size != axis_size or seqlen_q % (2 * axis_size)):
         return None
-    strategy = choose_strategy(strategy, axis_size, num_heads, num_heads_kv)
+    strategy = choose_strategy(strategy, axis_size, num_heads, num_heads_kv,
+                               keys_per_device=seqlen_k // axis_size)
     return Plan(axis_name, axis_size, strategy, layout, kind == "causal")
 
 

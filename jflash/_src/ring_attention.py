@@ -115,7 +115,8 @@ def ring_attention(query, key, value, *, axis_name, causal=False, softmax_scale=
     plan = cp.Plan(
         axis_name=axis_name,
         axis_size=axis_size,
-        strategy=cp.choose_strategy(strategy, axis_size, q_shape[2], k_shape[2]),
+        strategy=cp.choose_strategy(strategy, axis_size, q_shape[2], k_shape[2],
+                                    keys_per_device=k_shape[1]),
         layout=layout if causal else "contiguous",
         causal=causal,
     )
