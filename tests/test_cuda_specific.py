@@ -442,3 +442,55 @@ def test_sm80_forward_on_hopper():
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "ok" in result.stdout
+
+
+# The Hopper backward's GQA head split (tile_scheduler_sm90.h): the launcher
+# chooses it per call, so the cases above run whichever it picks. Forced here
+# (JFLASH_CUDA_BWD_HEAD_SPLITS, read once per process: in subprocesses) to 1
+# (one CTA per key block sums the group) and to 2 and 4 (partial dK, dV added
+# in float32 across CTAs), on GQA shapes: causal, a window, rows that see no
+# key, several batches, a last key block of one key, MQA.
+HEAD_SPLIT_CASES = [
+    (2, 1000, 1025, 8, 2, 128, -1000, 1025 - 1000),
+    (1, 513, 385, 8, 1, 64, None, None),
+    (1, 700, 700, 16, 2, 128, -150, 40),
+    (3, 1500, 700, 16, 4, 128, -1500, 700 - 1500),
+    (2, 300, 129, 4, 1, 64, -300, 129 - 300),
+]
+
+
+@pytest.mark.skipif(
+    not os.environ.get("JFLASH_CUDA_BWD_HEAD_SPLITS"),
+    reason="run by test_head_splits, in subprocesses with JFLASH_CUDA_BWD_HEAD_SPLITS set",
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", HEAD_SPLIT_CASES, ids=_case_id)
+def test_head_split_against_reference(rng, case, dtype):
+    _check_against_reference(rng, case, dtype)
+
+
+@pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
+@pytest.mark.parametrize("splits", ["1", "2", "4"])
+def test_head_splits(splits):
+    if os.environ.get("JFLASH_CUDA_BWD_HEAD_SPLITS"):
+        pytest.skip("already under a JFLASH_CUDA_BWD_HEAD_SPLITS")
+    _pytest_in_subprocess("test_head_split_against_reference", JFLASH_CUDA_BWD_HEAD_SPLITS=splits)
+
+
+def test_head_splits_setting_is_checked():
+    """A malformed JFLASH_CUDA_BWD_HEAD_SPLITS is an error, not silently ignored."""
+    env = dict(os.environ, JFLASH_CUDA_BWD_HEAD_SPLITS="two")
+    code = (
+        "import jax, jax.numpy as jnp, jflash\n"
+        "q = jnp.ones((1, 8, 2, 128), jnp.bfloat16)\n"
+        "k = jnp.ones((1, 8, 1, 128), jnp.bfloat16)\n"
+        "try:\n"
+        "    jax.grad(lambda q: jflash.flash_attention(q, k, k).sum())(q).block_until_ready()\n"
+        "except Exception as e:\n"
+        "    assert 'JFLASH_CUDA_BWD_HEAD_SPLITS' in str(e), e\n"
+        "    print('rejected')\n"
+    )
+    result = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "rejected" in result.stdout

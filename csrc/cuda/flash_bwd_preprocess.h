@@ -77,7 +77,9 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams pa
 
 // The work of one backward CTA (a key block of a kv head): the query blocks
 // the mask lets see its keys, and the (query head, query block) of each step,
-// one step per (query head of the GQA group, query block).
+// one step per (query head of the CTA's share of the GQA group, query block).
+// The share: split `split` of `splits` equal parts of the group (the Hopper
+// backward's head splits, tile_scheduler_sm90.h; the whole group otherwise).
 //
 // Deterministic mode (params.dq_semaphore set) adds each dQ tile in key-block
 // order: the CTA of key block n adds into query block m only after the blocks
@@ -99,7 +101,8 @@ struct KeyBlockSteps {
   // order. (No further members: the sm80 kernel is at its register limit.)
   int step_shift;
 
-  __device__ __forceinline__ KeyBlockSteps(const BwdParams& params, int n_block, int kv_head) {
+  __device__ __forceinline__ KeyBlockSteps(const BwdParams& params, int n_block, int kv_head,
+                                           int split = 0, int splits = 1) {
     const int key0 = n_block * kBlockN;
     const int key_end = min(key0 + kBlockN, params.seqlen_k);
     const IndexRange rows = Mask(params.mask).rows_of_keys(key0, key_end, params.seqlen_q);
@@ -107,8 +110,9 @@ struct KeyBlockSteps {
     const int row_hi = static_cast<int>(rows.end);
     m_block_begin = row_lo / kBlockM;
     num_m_blocks = row_lo < row_hi ? ceil_div(row_hi, kBlockM) - m_block_begin : 0;
-    num_steps = num_m_blocks * params.heads_per_kv;
-    first_head = kv_head * params.heads_per_kv;
+    const int heads = params.heads_per_kv / splits;
+    num_steps = num_m_blocks * heads;
+    first_head = kv_head * params.heads_per_kv + split * heads;
     // Key blocks start at different query blocks, so that the CTAs of one head
     // do not all add into the same dQ rows at the same time.
     step_shift = params.dq_semaphore != nullptr ? -1 : (num_steps > 0 ? n_block % num_steps : 0);
@@ -193,11 +197,69 @@ __device__ __forceinline__ void store_dk_dv(AccDK& acc_dk, AccDV const& acc_dv,
   }
 }
 
-// Before the main kernel: dq_accum zeroed (the main kernels add into it), the
-// deterministic mode's counters zeroed, and delta computed. Grid-stride
+// The same for a share of a GQA group's heads (head_splits > 1): the float32
+// partial sums added into dkv_accum ([batch, num_heads_kv, 2, seqlen_k,
+// head_dim]; dK unscaled, flash_bwd_convert_dkv_kernel scales it), 8-byte
+// reductions.
+template <typename AccDK, typename AccDV, typename Coords>
+__device__ __forceinline__ void add_dk_dv(AccDK const& acc_dk, AccDV const& acc_dv,
+                                          Coords const& coords, int key0, int batch, int kv_head,
+                                          const BwdParams& params) {
+  const int64_t plane = int64_t{params.seqlen_k} * params.head_dim;
+  float* dk = params.dkv_accum + (int64_t{batch} * params.num_heads_kv + kv_head) * 2 * plane;
+  float* dv = dk + plane;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); i += 2) {
+    const int key = key0 + get<0>(coords(i));
+    if (key < params.seqlen_k) {
+      const int64_t offset = int64_t{key} * params.head_dim + get<1>(coords(i));
+      atomicAdd(reinterpret_cast<float2*>(dk + offset), make_float2(acc_dk(i), acc_dk(i + 1)));
+      atomicAdd(reinterpret_cast<float2*>(dv + offset), make_float2(acc_dv(i), acc_dv(i + 1)));
+    }
+  }
+}
+
+// dk = softmax_scale * dkv_accum[b, h, 0] and dv = dkv_accum[b, h, 1] in the
+// input dtype, four values per thread (after a main kernel that split GQA
+// groups).
+template <typename Element>
+__global__ void flash_bwd_convert_dkv_kernel(const __grid_constant__ BwdParams params) {
+  const int64_t num_chunks = dkv_accum_count(params) / 4;
+  const int chunks_per_row = params.head_dim / 4;
+  for (int64_t c = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; c < num_chunks;
+       c += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = c / chunks_per_row;  // (batch, kv head, dk|dv, key) in dkv_accum order
+    const int col = int(c % chunks_per_row) * 4;
+    const int64_t key = r % params.seqlen_k;
+    const bool is_dv = (r / params.seqlen_k) % 2;
+    const int64_t head = (r / (2 * int64_t{params.seqlen_k})) % params.num_heads_kv;
+    const int64_t batch = r / (2 * int64_t{params.seqlen_k} * params.num_heads_kv);
+    const float4 acc = reinterpret_cast<const float4*>(params.dkv_accum)[c];
+    const float s = is_dv ? 1.f : params.softmax_scale;
+    Element* dst = is_dv ? static_cast<Element*>(params.dv) + batch * params.dv_batch_stride +
+                               key * params.dv_row_stride + head * params.dv_head_stride
+                         : static_cast<Element*>(params.dk) + batch * params.dk_batch_stride +
+                               key * params.dk_row_stride + head * params.dk_head_stride;
+    uint2 packed;
+    packed.x = pack_pair(Element(acc.x * s), Element(acc.y * s));
+    packed.y = pack_pair(Element(acc.z * s), Element(acc.w * s));
+    *reinterpret_cast<uint2*>(dst + col) = packed;
+  }
+}
+
+// Before the main kernel: dq_accum zeroed (the main kernels add into it), and
+// dkv_accum where GQA groups are split, the deterministic mode's counters
+// zeroed, and delta computed. Grid-stride
 // kernels: a few waves of CTAs saturate bandwidth.
 template <typename Element, int kHeadDim>
 cudaError_t launch_bwd_preprocess(const BwdParams& params, const LaunchContext& ctx) {
+  if (params.head_splits > 1) {
+    if (cudaError_t err = cudaMemsetAsync(params.dkv_accum, 0,
+                                          dkv_accum_count(params) * sizeof(float), ctx.stream);
+        err != cudaSuccess) {
+      return err;
+    }
+  }
   const int64_t rows = int64_t{params.batch} * params.num_heads * params.seqlen_q;
   if (rows == 0) return cudaSuccess;
   if (cudaError_t err =
@@ -216,9 +278,14 @@ cudaError_t launch_bwd_preprocess(const BwdParams& params, const LaunchContext& 
   return cudaGetLastError();
 }
 
-// After the main kernel: dq = softmax_scale * dq_accum in the input dtype.
+// After the main kernel: dq = softmax_scale * dq_accum in the input dtype, and
+// dk, dv from dkv_accum where GQA groups were split.
 template <typename Element>
 cudaError_t launch_bwd_postprocess(const BwdParams& params, const LaunchContext& ctx) {
+  if (params.head_splits > 1) {
+    flash_bwd_convert_dkv_kernel<Element><<<ctx.sm_count * 8, 256, 0, ctx.stream>>>(params);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  }
   const int64_t rows = int64_t{params.batch} * params.num_heads * params.seqlen_q;
   if (rows == 0) return cudaSuccess;
   flash_bwd_convert_dq_kernel<Element><<<ctx.sm_count * 8, 256, 0, ctx.stream>>>(params);

@@ -21,6 +21,9 @@ namespace jflash::cuda {
 struct LaunchContext {
   cudaStream_t stream;
   int sm_count;  // sizes the grid-stride grids of the backward's small kernels
+  // JFLASH_CUDA_BWD_HEAD_SPLITS (0: the launcher's choice): the Hopper
+  // backward's GQA head split (tile_scheduler_sm90.h), forced for measurements.
+  int bwd_head_splits = 0;
 };
 
 using FwdLauncher = cudaError_t (*)(const FwdParams&, const LaunchContext&);

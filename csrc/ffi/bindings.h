@@ -1,4 +1,4 @@
-// The ABI of jflash_fwd_v1 and jflash_bwd_v2, written once: arguments, results
+// The ABI of jflash_fwd_v1 and jflash_bwd_v3, written once: arguments, results
 // and attributes in the order jflash/_src/kernel_calls.py passes them. Each
 // platform passes in Ffi::Bind() with its own context (the CUDA stream) already
 // bound, so the two platforms cannot drift apart. Changing this list changes
@@ -41,6 +41,7 @@ auto BindBwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // dq_accum (float32 scratch)
       .template Ret<ffi::AnyBuffer>()            // delta (float32 scratch)
       .template Ret<ffi::AnyBuffer>()            // dq_semaphore (int32 scratch; empty: not deterministic)
+      .template Ret<ffi::AnyBuffer>()            // dkv_accum (float32 scratch; empty unless GQA on CUDA)
       .template Attr<float>("softmax_scale")
       .template Attr<int64_t>("diag_lo")
       .template Attr<int64_t>("diag_hi");

@@ -1,4 +1,4 @@
-// XLA FFI handlers for platform "cpu": jflash_fwd_v1 and jflash_bwd_v2.
+// XLA FFI handlers for platform "cpu": jflash_fwd_v1 and jflash_bwd_v3.
 //
 // The CUDA handlers (csrc/ffi/cuda_handlers.cu) bind the same arguments in the
 // same order under the same target names, so one jax.ffi.ffi_call lowers for
@@ -31,11 +31,11 @@ ffi::Error BwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                   ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_accum,
                   ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_semaphore,
-                  float softmax_scale, int64_t diag_lo, int64_t diag_hi) {
+                  ffi::Result<ffi::AnyBuffer> dkv_accum, float softmax_scale, int64_t diag_lo, int64_t diag_hi) {
   BwdParams params;
   if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, *dq, *dk, *dv, *dq_accum,
-                                         *delta, *dq_semaphore, softmax_scale, diag_lo, diag_hi, &params,
-                                         /*uses_dq_accum=*/false);
+                                         *delta, *dq_semaphore, *dkv_accum, softmax_scale, diag_lo,
+                                         diag_hi, &params, /*uses_dq_accum=*/false);
       err.failure()) {
     return err;
   }

@@ -94,6 +94,21 @@ int smem_limit_override() {
   return limit;
 }
 
+// JFLASH_CUDA_BWD_HEAD_SPLITS forces the Hopper backward's GQA head split
+// (csrc/cuda/sm90/tile_scheduler_sm90.h) where it divides the group, for
+// measurements; unset or 0: the launcher's choice. Read once per process;
+// -1 = invalid.
+int bwd_head_splits_override() {
+  static const int splits = [] {
+    const char* env = std::getenv("JFLASH_CUDA_BWD_HEAD_SPLITS");
+    if (env == nullptr || *env == '\0') return 0;
+    char* end = nullptr;
+    const long value = std::strtol(env, &end, 10);
+    return (*end == '\0' && value >= 0 && value <= 1024) ? static_cast<int>(value) : -1;
+  }();
+  return splits;
+}
+
 // The shared memory per block that kernels may use on this device.
 int smem_limit(const DeviceInfo& info) {
   const int cap = smem_limit_override();
@@ -115,6 +130,11 @@ ffi::Error CheckSettings() {
     return ffi::Error::InvalidArgument(
         "jflash: JFLASH_CUDA_SMEM_LIMIT must be a positive number of bytes (got '" +
         std::string(std::getenv("JFLASH_CUDA_SMEM_LIMIT")) + "')");
+  }
+  if (bwd_head_splits_override() < 0) {
+    return ffi::Error::InvalidArgument(
+        "jflash: JFLASH_CUDA_BWD_HEAD_SPLITS must be a number from 0 to 1024 (got '" +
+        std::string(std::getenv("JFLASH_CUDA_BWD_HEAD_SPLITS")) + "')");
   }
   return ffi::Error::Success();
 }
@@ -231,7 +251,7 @@ ffi::ErrorOr<cuda::LaunchContext> Prepare(const FwdParams& params, cudaStream_t 
                           std::to_string(smem_limit(info)) +
                           (smem_limit_override() > 0 ? " (JFLASH_CUDA_SMEM_LIMIT)" : ""));
   }
-  return cuda::LaunchContext{stream, info.sm_count};
+  return cuda::LaunchContext{stream, info.sm_count, bwd_head_splits_override()};
 }
 
 ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -267,12 +287,13 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::AnyBuffer dlse, ffi::Result<ffi::AnyBuffer> dq,
                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                    ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta,
-                   ffi::Result<ffi::AnyBuffer> dq_semaphore, float softmax_scale,
+                   ffi::Result<ffi::AnyBuffer> dq_semaphore,
+                   ffi::Result<ffi::AnyBuffer> dkv_accum, float softmax_scale,
                    int64_t diag_lo, int64_t diag_hi) {
   BwdParams params;
   if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, *dq, *dk, *dv, *dq_accum,
-                                         *delta, *dq_semaphore, softmax_scale, diag_lo, diag_hi,
-                                         &params);
+                                         *delta, *dq_semaphore, *dkv_accum, softmax_scale, diag_lo,
+                                         diag_hi, &params);
       err.failure()) {
     return err;
   }

@@ -137,7 +137,8 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
                                 ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
                                 ffi::AnyBuffer dlse, ffi::AnyBuffer dq, ffi::AnyBuffer dk,
                                 ffi::AnyBuffer dv, ffi::AnyBuffer dq_accum, ffi::AnyBuffer delta,
-                                ffi::AnyBuffer dq_semaphore, float softmax_scale, int64_t diag_lo, int64_t diag_hi,
+                                ffi::AnyBuffer dq_semaphore, ffi::AnyBuffer dkv_accum,
+                                float softmax_scale, int64_t diag_lo, int64_t diag_hi,
                                 BwdParams* p, bool uses_dq_accum = true) {
   if (auto err = FillFwdParams(q, k, v, out, lse, softmax_scale, diag_lo, diag_hi, p);
       err.failure()) {
@@ -169,6 +170,12 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
        dq_semaphore.element_count() != dq_semaphore_count(*p))) {
     return ffi::Error::InvalidArgument("jflash: bad dq_semaphore buffer");
   }
+  // dkv_accum: empty, or the float32 dK/dV sums of GQA (params.h).
+  if (dkv_accum.element_type() != ffi::DataType::F32 ||
+      (dkv_accum.element_count() != 0 &&
+       (p->heads_per_kv == 1 || dkv_accum.element_count() != dkv_accum_count(*p)))) {
+    return ffi::Error::InvalidArgument("jflash: bad dkv_accum buffer");
+  }
   p->dout = dout.untyped_data();
   p->dlse = static_cast<const float*>(dlse.untyped_data());
   p->dq = dq.untyped_data();
@@ -179,6 +186,10 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   p->dq_semaphore = uses_dq_accum && dq_semaphore.element_count() > 0
                         ? static_cast<int*>(dq_semaphore.untyped_data())
                         : nullptr;
+  p->dkv_accum = uses_dq_accum && dkv_accum.element_count() > 0
+                     ? static_cast<float*>(dkv_accum.untyped_data())
+                     : nullptr;
+  p->head_splits = 1;
   p->dout_batch_stride = p->out_batch_stride;
   p->dout_row_stride = p->out_row_stride;
   p->dout_head_stride = p->out_head_stride;

@@ -18,7 +18,7 @@ import jaxlib
 from jflash._src import masks
 
 FWD_TARGET = "jflash_fwd_v1"
-BWD_TARGET = "jflash_bwd_v2"
+BWD_TARGET = "jflash_bwd_v3"
 
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent
 _CPU_LIBRARY = "libjflash_cpu.so"

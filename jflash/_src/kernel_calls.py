@@ -72,6 +72,12 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
     # by construction and takes an empty buffer.
     slots = 2 * -(-seqlen_q // _DQ_SEMAPHORE_ROWS)
     semaphore_shape = (*lead, num_heads, slots) if deterministic and not on_cpu else (0,)
+    # GQA: float32 dK, dV sums per kv head, so that the CUDA launcher may split a
+    # kv head's query heads over several CTAs (params.h, dkv_accum); 2 / group
+    # of dq_accum's size.
+    num_heads_kv, seqlen_k = k.shape[-2], k.shape[-3]
+    dkv_accum_shape = ((*lead, num_heads_kv, 2, seqlen_k, head_dim)
+                       if num_heads != num_heads_kv and not on_cpu else (0,))
     call = jax.ffi.ffi_call(
         _ffi.BWD_TARGET,
         (
@@ -83,10 +89,11 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
             jax.ShapeDtypeStruct(dq_accum_shape, f32),  # dq_accum
             jax.ShapeDtypeStruct((*lead, num_heads, seqlen_q), f32),  # delta
             jax.ShapeDtypeStruct(semaphore_shape, jnp.int32),  # dq_semaphore
+            jax.ShapeDtypeStruct(dkv_accum_shape, f32),  # dkv_accum
         ),
         vmap_method="broadcast_all",
     )
-    dq, dk, dv, _, _, _ = call(
+    dq, dk, dv, *_ = call(
         q,
         k,
         v,

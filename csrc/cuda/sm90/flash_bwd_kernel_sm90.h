@@ -2,9 +2,11 @@
 // with TMA loads, wgmma products and warp specialization (FlashAttention-3's
 // design, section 3 of its paper; our own code).
 //
-// One CTA per (key block, kv head, batch). It keeps its block_n keys' K and V
-// tiles and their dK, dV accumulators on chip, and walks every (query head of
-// the GQA group, query block) pair whose rows the band lets see the keys:
+// One CTA per (key block, kv head, batch), or per share of the kv head's query
+// heads where a GQA group is split (BwdSchedulerSm90, tile_scheduler_sm90.h).
+// It keeps its block_n keys' K and V tiles and their dK, dV accumulators on
+// chip, and walks every (query head of its share of the GQA group, query
+// block) pair whose rows the band lets see the keys:
 //
 //   S^T  = K Q^T                    (wgmma, both from shared memory)
 //   dP^T = V dO^T
@@ -62,6 +64,7 @@
 #include "cuda/flash_bwd_preprocess.h"
 #include "cuda/launch.h"
 #include "cuda/sm90/pipeline_sm90.h"
+#include "cuda/sm90/tile_scheduler_sm90.h"
 #include "cuda/sm90/traits_bwd_sm90.h"
 #include "cuda/sm90/wgmma_utils.h"
 #include "cuda/utils.h"
@@ -144,10 +147,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
-  const int n_block = blockIdx.x;
-  const int kv_head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const KeyBlockSteps<kBlockM, kBlockN, Mask> steps(params, n_block, kv_head);
+  const auto unit = BwdSchedulerSm90<kBlockM, kBlockN, Mask>::unit(params);
+  const int n_block = unit.n_block;
+  const int kv_head = unit.kv_head;
+  const int batch = unit.batch;
+  const KeyBlockSteps<kBlockM, kBlockN, Mask> steps(params, n_block, kv_head, unit.split,
+                                                    params.head_splits);
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -424,11 +429,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (warp_leader) EmptyBarrier::arrive(&smem.dq_full[consumer][buffer]);
   }
 
-  // dK and dV of the key block, written once.
-  store_dk_dv<Element>(
-      acc_dk, acc_dv,
-      thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{})), key0,
-      batch, kv_head, params);
+  // dK and dV of the key block, written once, or added to the other shares'.
+  const auto dkv_coords =
+      thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  if (params.head_splits > 1) {
+    add_dk_dv(acc_dk, acc_dv, dkv_coords, key0, batch, kv_head, params);
+  } else {
+    store_dk_dv<Element>(acc_dk, acc_dv, dkv_coords, key0, batch, kv_head, params);
+  }
 }
 
 // TMA reads the four input tiles: 16-byte aligned bases and strides, and
@@ -442,8 +450,13 @@ inline bool tma_compatible_bwd(const BwdParams& p) {
 }
 
 template <typename Element, int kHeadDim, typename Mask>
-cudaError_t run_flash_bwd_sm90(const BwdParams& params, const LaunchContext& ctx) {
+cudaError_t run_flash_bwd_sm90(const BwdParams& call_params, const LaunchContext& ctx) {
   using Traits = BwdTraitsSm90<Element, kHeadDim>;
+  using Scheduler = BwdSchedulerSm90<Traits::kBlockM, Traits::kBlockN, Mask>;
+  BwdParams params = call_params;
+  params.head_splits = Scheduler::head_splits(params, ctx.sm_count, ctx.bwd_head_splits);
+  const int64_t num_ctas = Scheduler::grid_size(params);
+  if (num_ctas < 0) return cudaErrorInvalidConfiguration;
   if (cudaError_t err = launch_bwd_preprocess<Element, kHeadDim>(params, ctx); err != cudaSuccess) {
     return err;
   }
@@ -485,10 +498,7 @@ cudaError_t run_flash_bwd_sm90(const BwdParams& params, const LaunchContext& ctx
       err != cudaSuccess) {
     return err;
   }
-  // Key blocks along x: under a causal band the first ones visit the most
-  // query blocks and start first.
-  const dim3 grid(ceil_div(params.seqlen_k, Traits::kBlockN), params.num_heads_kv, params.batch);
-  kernel<<<grid, Traits::kNThreads, kSmemBytes, ctx.stream>>>(args);
+  kernel<<<static_cast<unsigned>(num_ctas), Traits::kNThreads, kSmemBytes, ctx.stream>>>(args);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   return launch_bwd_postprocess<Element>(params, ctx);
 }

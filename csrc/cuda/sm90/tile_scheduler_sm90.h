@@ -1,6 +1,7 @@
-// The Hopper forward's static persistent schedule: the host's grid size and
-// the device's sequence of tiles (query blocks of a head) per CTA. (Both
-// backwards run one CTA per key block: KeyBlockSteps, flash_bwd_preprocess.h.)
+// The Hopper kernels' schedules: for the forward, a static persistent one
+// (the host's grid size and each CTA's sequence of tiles, query blocks of a
+// head); for the backward, one CTA per (key block, head split, kv head, batch)
+// unit, whose steps KeyBlockSteps (flash_bwd_preprocess.h) gives.
 #pragma once
 
 #include <algorithm>
@@ -129,6 +130,89 @@ class TileSchedulerSm90 {
   int units_per_head_;
   int num_slots_;
   int first_slot_;
+};
+
+// The Hopper backward's units, one CTA each (its shared memory allows one per
+// SM): a key block of a kv head and batch, and a share of the kv head's query
+// heads. Units run key block and head split fastest (unit = n_block *
+// head_splits + split), then kv head, then batch: under a causal band the key
+// blocks that visit the most query blocks start first.
+//
+// GQA with head_splits > 1: the group's heads_per_kv query heads are split
+// over head_splits CTAs per key block, which add their partial dK, dV into
+// params.dkv_accum. One CTA per key block, summing the whole group, leaves SMs
+// idle where the units are few (B * kv heads * key blocks near the SM count)
+// and, under a causal band, runs the first key block, which sees every query
+// block of every head of the group, alone at the end.
+template <int kBlockM, int kBlockN, typename Mask>
+class BwdSchedulerSm90 {
+ public:
+  // ---------------------------------------------------------------- host
+  // The split of the query heads for a call: the divisor s of heads_per_kv
+  // that minimises an estimate of the kernel's time in steps (a step: one
+  // query block of one head against the key block),
+  //   max(longest unit, waves * mean unit) + units * kUnitSteps / SMs,
+  // waves = ceil(units / SMs): equal units take whole waves, and under a
+  // causal band no split ends before its longest unit. A larger split must win
+  // by 3%. 1 without dkv_accum (MHA, CPU) or in deterministic mode (the
+  // partial sums would arrive in any order). forced > 0
+  // (JFLASH_CUDA_BWD_HEAD_SPLITS) takes that split where it divides the group.
+  static constexpr int kUnitSteps = 2;  // K, V loads and the dK, dV write of a unit
+
+  static int head_splits(const BwdParams& params, int sm_count, int forced) {
+    const int group = params.heads_per_kv;
+    if (params.dkv_accum == nullptr || params.dq_semaphore != nullptr || group == 1) return 1;
+    if (forced > 0) return group % forced == 0 ? forced : 1;
+    const Mask mask(params.mask);
+    const int n_blocks = cute::ceil_div(params.seqlen_k, kBlockN);
+    if (n_blocks == 0) return 1;
+    int64_t steps = 0, longest = 0;  // over the key blocks of one kv head, one query head
+    for (int n = 0; n < n_blocks; ++n) {
+      const int64_t key0 = int64_t{n} * kBlockN;
+      const IndexRange rows = mask.rows_of_keys(
+          key0, std::min<int64_t>(key0 + kBlockN, params.seqlen_k), params.seqlen_q);
+      const int64_t m = rows.begin < rows.end
+                            ? cute::ceil_div(rows.end, int64_t{kBlockM}) - rows.begin / kBlockM
+                            : 0;
+      steps += m;
+      longest = std::max(longest, m);
+    }
+    const int64_t heads_kv = int64_t{params.num_heads_kv} * params.batch;
+    int best = 1;
+    double best_time = 0;
+    for (int s = 1; s <= group; ++s) {
+      if (group % s) continue;
+      const int64_t units = n_blocks * s * heads_kv;
+      const double mean = double(steps * group * heads_kv) / double(units);
+      const double waves = double((units + sm_count - 1) / sm_count);
+      const double time = std::max(double(longest * group) / s, waves * mean) +
+                          double(units * kUnitSteps) / sm_count;
+      if (s == 1 || time < 0.97 * best_time) {
+        best = s;
+        best_time = time;
+      }
+    }
+    return best;
+  }
+
+  // CTAs of the launch (params.head_splits set), -1 past the int32 grid.
+  static int64_t grid_size(const BwdParams& params) {
+    const int64_t units = int64_t{cute::ceil_div(params.seqlen_k, kBlockN)} *
+                          params.head_splits * params.num_heads_kv * params.batch;
+    return units > INT32_MAX ? -1 : units;
+  }
+
+  // -------------------------------------------------------------- device
+  struct Unit {
+    int n_block, split, kv_head, batch;
+  };
+  __device__ __forceinline__ static Unit unit(const BwdParams& params) {
+    const int per_head = cute::ceil_div(params.seqlen_k, kBlockN) * params.head_splits;
+    const int u = blockIdx.x % per_head;
+    const int rest = blockIdx.x / per_head;
+    return {u / params.head_splits, u % params.head_splits, rest % params.num_heads_kv,
+            rest / params.num_heads_kv};
+  }
 };
 
 }  // namespace jflash::cuda::sm90

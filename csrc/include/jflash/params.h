@@ -10,6 +10,8 @@
 //   dq_accum         : [batch, num_heads, seqlen_q, head_dim] (float32 scratch)
 //   dq_semaphore     : [batch, num_heads, dq_semaphore_slots(seqlen_q)] (int32
 //                      scratch, deterministic mode only)
+//   dkv_accum        : [batch, num_heads_kv, 2, seqlen_k, head_dim] (float32
+//                      scratch, GQA only: dK then dV of each kv head)
 //
 // Strides are in elements (not bytes) and int64 so that batch * seq * heads *
 // head_dim never overflows; the last (head_dim) stride is always 1.
@@ -76,6 +78,16 @@ struct BwdParams : FwdParams {
   // so that dq is bit-identical from run to run. Null: additions in any order
   // (faster). The CPU kernels are deterministic either way and ignore it.
   int* dq_semaphore;
+  // GQA (heads_per_kv > 1; null otherwise, and on CPU): float32 dK and dV sums
+  // of each kv head, [batch, num_heads_kv, 2, seqlen_k, head_dim]. With it a
+  // CUDA launcher may split a kv head's query heads over head_splits CTAs per
+  // key block, which add their partial dK, dV here, where one CTA per key block
+  // would leave SMs idle or run a long causal key block alone at the end.
+  float* dkv_accum;
+  // Set by the launcher (1 from the FFI layer): CTAs per (key block, kv head),
+  // each taking heads_per_kv / head_splits query heads. > 1 only with
+  // dkv_accum and outside deterministic mode.
+  int head_splits;
 
   int64_t dout_batch_stride, dout_row_stride, dout_head_stride;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
@@ -87,6 +99,11 @@ struct BwdParams : FwdParams {
 // preprocess zeroes it).
 constexpr int64_t dq_semaphore_count(const BwdParams& p) {
   return int64_t{p.batch} * p.num_heads * dq_semaphore_slots(p.seqlen_q);
+}
+
+// Length of dkv_accum where it is used (GQA on CUDA).
+constexpr int64_t dkv_accum_count(const BwdParams& p) {
+  return int64_t{p.batch} * p.num_heads_kv * 2 * p.seqlen_k * p.head_dim;
 }
 
 }  // namespace jflash
