@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -52,6 +53,8 @@ def parse_args():
     p.add_argument("--context-parallel", type=int, default=1, metavar="N",
                    help="shard the sequence over N devices (ring attention, zigzag layout)")
     p.add_argument("--cp-strategy", default="auto", choices=("auto", "ring", "all_gather"))
+    p.add_argument("--head-parallel", type=int, default=1, metavar="N",
+                   help="shard attention heads and the MLP over N devices (a 'model' mesh axis)")
     return p.parse_args()
 
 
@@ -117,6 +120,35 @@ class Transformer(nn.Module):
         return nn.Dense(self.vocab, dtype=jnp.float32)(x)
 
 
+def model_parallel_spec(path):
+    """The PartitionSpec of a parameter over the "model" mesh axis, from its path
+    in the parameter tree (Megatron-style tensor parallelism). Matches, in each
+    Block_i:
+      MultiHeadAttention_0/{query,key,value}: kernel [d_model, heads, head_dim]
+        and bias [heads, head_dim] sharded on heads, so attention runs
+        head-sharded on each device's own heads;
+      MultiHeadAttention_0/out: kernel [heads, head_dim, d_model] sharded on heads
+        (its input), the bias replicated;
+      Dense_0 (the MLP's first layer): kernel and bias sharded on the output;
+      Dense_1 (the second): kernel sharded on the input, the bias replicated.
+    Everything else is replicated: pos, Embed_0, the LayerNorms and the vocab
+    head (the Dense_0 outside the blocks).
+    """
+    names = [entry.key for entry in path]
+    if not names[0].startswith("Block_"):
+        return P()
+    layer, leaf = names[-2], names[-1]
+    if layer in ("query", "key", "value"):
+        return P(None, "model", None) if leaf == "kernel" else P("model", None)
+    if layer == "out" and leaf == "kernel":
+        return P("model", None, None)
+    if layer == "Dense_0":
+        return P(None, "model") if leaf == "kernel" else P("model")
+    if layer == "Dense_1" and leaf == "kernel":
+        return P("model", None)
+    return P()
+
+
 def copy_task_batch(rng, batch, seq_len, vocab):
     """inputs, targets [batch, seq_len] and loss weights (1 on the copied half)."""
     half = (seq_len + 1) // 2
@@ -139,8 +171,10 @@ def adam(lr, b1=0.9, b2=0.99, eps=1e-8):
     """Plain Adam (no optimizer dependency): (init, update) on parameter pytrees."""
 
     def init(params):
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        return dict(m=zeros, v=zeros, t=jnp.zeros((), jnp.int32))
+        def zeros():  # m and v each their own buffers: the train step donates them
+            return jax.tree.map(jnp.zeros_like, params)
+
+        return dict(m=zeros(), v=zeros(), t=jnp.zeros((), jnp.int32))
 
     def update(params, grads, state):
         t = state["t"] + 1
@@ -159,11 +193,13 @@ def adam(lr, b1=0.9, b2=0.99, eps=1e-8):
     return init, update
 
 
-def make_train_step(model, optimizer_update, positions=None, context=None):
-    """A jitted step; context(), when given, is entered around each call (jflash
+def make_train_step(model, optimizer_update, shardings, positions=None, context=None):
+    """A jitted step. shardings: the (params, opt_state, loss) shardings that the
+    step returns; parameters and optimizer state are donated (updated in place).
+    context(), when given, is entered around each call and lowering (jflash
     reads its context-parallel settings when the step is traced)."""
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=shardings, donate_argnums=(0, 1))
     def train_step(params, opt_state, inputs, targets, weights):
         loss, grads = jax.value_and_grad(
             lambda p: loss_fn(model, p, inputs, targets, weights, positions)
@@ -178,6 +214,11 @@ def make_train_step(model, optimizer_update, positions=None, context=None):
         with context():
             return train_step(*args)
 
+    def lower(*args):
+        with context():
+            return train_step.lower(*args)
+
+    step_in_context.lower = lower
     return step_in_context
 
 
@@ -211,27 +252,38 @@ def main(args):
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     rtol = args.check_rtol or (3e-2 if dtype == jnp.bfloat16 else 1e-3)
-    cp = args.context_parallel
-    if cp < 1 or len(devices) % cp:
-        raise SystemExit(f"--context-parallel {cp} must divide the {len(devices)} devices")
+    cp, hp = args.context_parallel, args.head_parallel
+    if cp < 1 or hp < 1 or len(devices) % (cp * hp):
+        raise SystemExit(
+            f"--context-parallel {cp} times --head-parallel {hp} must divide the "
+            f"{len(devices)} devices"
+        )
     if cp > 1 and args.seq_len % (2 * cp):
         raise SystemExit(
             f"--context-parallel {cp}: --seq-len {args.seq_len} must be a multiple of 2 * {cp} "
             "(the zigzag layout cuts the sequence into 2 chunks per device)"
         )
-    data_devices = len(devices) // cp
+    if args.heads % hp or args.kv_heads % hp:
+        raise SystemExit(
+            f"--head-parallel {hp} must divide --heads {args.heads} and --kv-heads "
+            f"{args.kv_heads} (each device runs attention on its own query and kv heads)"
+        )
+    data_devices = len(devices) // (cp * hp)
     batch = -(-args.batch // data_devices) * data_devices  # a multiple of the data axis
     print(
         f"{len(devices)} {jax.default_backend()} device(s), global batch {batch}, "
         f"{dtype.__name__}, jflash CUDA kernels built: {jflash.HAS_CUDA_KERNELS}"
         + (f", sequence over {cp} devices ({args.cp_strategy})" if cp > 1 else "")
+        + (f", heads over {hp} devices" if hp > 1 else "")
     )
 
-    # Data parallel: the batch is split over a "data" mesh axis, parameters and
-    # optimizer state are replicated; jit partitions the step from these shardings.
+    # Data parallel: the batch is split over a "data" mesh axis; jit partitions
+    # the step from the shardings of its operands.
     # Context parallel: the sequence is split over a "seq" axis as well.
-    mesh = jax.make_mesh((data_devices, cp), ("data", "seq"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    # Head parallel: the attention heads and the MLP's hidden units are split over
+    # a "model" axis (model_parallel_spec); everything else is replicated.
+    mesh = jax.make_mesh((data_devices, cp, hp), ("data", "seq", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
     data_sharding = NamedSharding(mesh, P("data", "seq" if cp > 1 else None))
     replicated = NamedSharding(mesh, P())
 
@@ -245,14 +297,19 @@ def main(args):
         dtype=dtype,
     )
     model = Transformer(**config, implementation="jflash")
-    reference = Transformer(**config, implementation="xla")  # jax.nn.dot_product_attention
 
     data_rng = np.random.default_rng(args.seed)
     sample = copy_task_batch(data_rng, batch, args.seq_len, args.vocab)[0]
     params = model.init(jax.random.key(args.seed), sample)["params"]
-    params = jax.device_put(params, replicated)
+    param_shardings = jax.tree_util.tree_map_with_path(
+        lambda path, _: NamedSharding(mesh, model_parallel_spec(path)), params
+    )
+    params = jax.device_put(params, param_shardings)
     init, update = adam(args.lr)
-    opt_state = jax.device_put(init(params), replicated)
+    # The optimizer state is sharded like the parameters (its step count replicated).
+    opt_shardings = dict(m=param_shardings, v=param_shardings, t=replicated)
+    opt_state = jax.device_put(init(params), opt_shardings)
+    step_shardings = (param_shardings, opt_shardings, replicated)
     positions, context, layout = None, None, (lambda x: x)
     if cp > 1:
         from jflash.context_parallel import shard_sequence
@@ -268,9 +325,13 @@ def main(args):
                     yield
 
         context = contextlib.contextmanager(context)
-    train_step = make_train_step(model, update, positions, context)
-    reference_step = make_train_step(reference, update)  # unsharded sequence, token order
-    ref_params, ref_state = params, opt_state
+    train_step = make_train_step(model, update, step_shardings, positions, context)
+    if args.check_steps > 0:
+        # The same model on jax.nn.dot_product_attention, from a copy of the same
+        # parameters (the steps donate theirs); unsharded sequence, token order.
+        reference = Transformer(**config, implementation="xla")
+        reference_step = make_train_step(reference, update, step_shardings)
+        ref_params, ref_state = jax.tree.map(jnp.copy, (params, opt_state))
 
     progress = Progress(args.steps)
     check = None
