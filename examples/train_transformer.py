@@ -30,7 +30,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import os
+import statistics
 import sys
 import time
 
@@ -55,6 +57,9 @@ def parse_args():
     p.add_argument("--cp-strategy", default="auto", choices=("auto", "ring", "all_gather"))
     p.add_argument("--head-parallel", type=int, default=1, metavar="N",
                    help="shard attention heads and the MLP over N devices (a 'model' mesh axis)")
+    p.add_argument("--warmup-steps", type=int, default=3, metavar="W",
+                   help="steps left out of the step time report (compilation, warm-up)")
+    p.add_argument("--results", metavar="PATH", help="write the run's settings and timings as JSON")
     return p.parse_args()
 
 
@@ -310,7 +315,6 @@ def main(args):
     opt_shardings = dict(m=param_shardings, v=param_shardings, t=replicated)
     opt_state = jax.device_put(init(params), opt_shardings)
     step_shardings = (param_shardings, opt_shardings, replicated)
-    positions, context, layout = None, None, (lambda x: x)
     if cp > 1:
         from jflash.context_parallel import shard_sequence
 
@@ -319,12 +323,16 @@ def main(args):
 
         positions = np.asarray(layout(np.arange(args.seq_len)[None]))[0]
 
+        @contextlib.contextmanager
         def context():
             with jflash.context_parallel_strategy(args.cp_strategy):
                 with jflash.sequence_layout("zigzag", cp):
                     yield
+    else:
+        positions, context = None, None
 
-        context = contextlib.contextmanager(context)
+        def layout(x):
+            return x
     train_step = make_train_step(model, update, step_shardings, positions, context)
     if args.check_steps > 0:
         # The same model on jax.nn.dot_product_attention, from a copy of the same
@@ -333,34 +341,80 @@ def main(args):
         reference_step = make_train_step(reference, update, step_shardings)
         ref_params, ref_state = jax.tree.map(jnp.copy, (params, opt_state))
 
+    # Each step is timed from its call to its loss on the host (float(loss)
+    # waits for the step), the data already on the devices and the reference
+    # step finished; the first --warmup-steps (compilation among them) are left out.
     progress = Progress(args.steps)
-    check = None
+    check, step_times = None, []
     for step in range(1, args.steps + 1):
         data = copy_task_batch(data_rng, batch, args.seq_len, args.vocab)
         if step <= args.check_steps:
-            ref_params, ref_state, ref_loss = reference_step(
+            ref_params, ref_state, ref_loss = jax.block_until_ready(reference_step(
                 ref_params, ref_state, *(jax.device_put(x, NamedSharding(mesh, P("data")))
                                          for x in data)
-            )
-        inputs, targets, weights = (
+            ))
+        inputs, targets, weights = jax.block_until_ready(tuple(
             jax.device_put(np.asarray(layout(x)), data_sharding) for x in data
-        )
+        ))
+        start = time.perf_counter()
         params, opt_state, loss = train_step(params, opt_state, inputs, targets, weights)
+        loss = float(loss)
+        if step > args.warmup_steps:
+            step_times.append(time.perf_counter() - start)
         if step == args.check_steps:
-            check = (float(loss), float(ref_loss))
-        progress.update(step, loss=float(loss))
+            check = (loss, float(ref_loss))
+        progress.update(step, loss=loss)
 
-    print(f"final loss {float(loss):.4f} (log(vocab) = {np.log(args.vocab):.4f})")
-    if check is None:
-        return 0
-    ours, theirs = check
-    rel = abs(ours - theirs) / max(abs(theirs), 1e-12)
-    verdict = "OK" if rel <= rtol else "MISMATCH"
-    print(
-        f"loss at step {args.check_steps}: jflash {ours:.6f}, jax.nn.dot_product_attention "
-        f"{theirs:.6f}, relative difference {rel:.2e} (tolerance {rtol:g}): {verdict}"
-    )
-    return 0 if rel <= rtol else 1
+    print(f"final loss {loss:.4f} (log(vocab) = {np.log(args.vocab):.4f})")
+    timing = dict(timed_steps=len(step_times), median_step_ms=None, min_step_ms=None,
+                  tokens_per_s=None)
+    if step_times:
+        median = statistics.median(step_times)
+        timing.update(median_step_ms=median * 1e3, min_step_ms=min(step_times) * 1e3,
+                      tokens_per_s=batch * args.seq_len / median)
+        print(
+            f"step time over steps {args.warmup_steps + 1}-{args.steps}: median "
+            f"{timing['median_step_ms']:.2f} ms, min {timing['min_step_ms']:.2f} ms, "
+            f"{timing['tokens_per_s']:.0f} tokens/s ({batch} x {args.seq_len} tokens a step)"
+        )
+    else:
+        print(f"no step timed: --steps {args.steps} <= --warmup-steps {args.warmup_steps}")
+
+    ok = True
+    if check is not None:
+        ours, theirs = check
+        rel = abs(ours - theirs) / max(abs(theirs), 1e-12)
+        ok = rel <= rtol
+        print(
+            f"loss at step {args.check_steps}: jflash {ours:.6f}, jax.nn.dot_product_attention "
+            f"{theirs:.6f}, relative difference {rel:.2e} (tolerance {rtol:g}): "
+            + ("OK" if ok else "MISMATCH")
+        )
+        check = dict(step=args.check_steps, jflash=ours, reference=theirs,
+                     relative_difference=rel, rtol=rtol, ok=ok)
+
+    if args.results:
+        memory = [d.memory_stats() for d in devices]  # None on CPU
+        results = dict(
+            args=vars(args),
+            jax_version=jax.__version__,
+            jflash_version=jflash.__version__,
+            backend=jax.default_backend(),
+            device_kind=devices[0].device_kind,
+            device_count=len(devices),
+            mesh=dict(mesh.shape),
+            global_batch=batch,
+            dtype=dtype.__name__,
+            **timing,
+            final_loss=loss,
+            peak_bytes_in_use=[m and m.get("peak_bytes_in_use") for m in memory],
+            check=check,
+        )
+        with open(args.results, "w") as f:
+            json.dump(results, f, indent=2)
+            f.write("\n")
+        print(f"results written to {args.results}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
