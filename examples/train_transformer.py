@@ -19,6 +19,21 @@ all-gather). For example, on 8 simulated CPU devices:
 
     python examples/train_transformer.py --host-devices 8 --context-parallel 4
 
+--head-parallel N adds a "model" mesh axis of N devices (a ("data", "seq",
+"model") mesh): Megatron-style, the q/k/v projections are sharded on their
+heads, the output projection on its input heads, the MLP's first layer on its
+output and the second on its input (model_parallel_spec); each device runs
+attention on its own heads, and the blocks' outputs are summed over "model".
+--heads and --kv-heads must be multiples of N. All three axes combine:
+
+    python examples/train_transformer.py --host-devices 8 --context-parallel 2 --head-parallel 2
+
+At the end the run reports the median step time and tokens/s over the steps
+after --warmup-steps; --results PATH writes them as JSON with the settings,
+devices and mesh, and the collectives (all-gather, all-reduce, ...) counted in
+the compiled step, all-gathers of q/k/v-shaped arrays listed apart
+(--dump-collectives PATH writes the collectives alone).
+
 The same model with jax.nn.dot_product_attention (implementation="xla") is
 trained beside it for the first --check-steps steps from the same parameters
 and data; the two losses must agree at that step within --check-rtol. Uses the
@@ -28,10 +43,12 @@ CUDA kernels when jax sees a GPU (then in bfloat16), the CPU kernels otherwise.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -60,6 +77,8 @@ def parse_args():
     p.add_argument("--warmup-steps", type=int, default=3, metavar="W",
                    help="steps left out of the step time report (compilation, warm-up)")
     p.add_argument("--results", metavar="PATH", help="write the run's settings and timings as JSON")
+    p.add_argument("--dump-collectives", metavar="PATH",
+                   help="write the collectives of the compiled step as JSON (--results has them too)")
     return p.parse_args()
 
 
@@ -227,6 +246,58 @@ def make_train_step(model, optimizer_update, shardings, positions=None, context=
     return step_in_context
 
 
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+# An HLO instruction: "%name = shape opcode(operands), attributes"; the shape may be a tuple.
+HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?(?P<name>[^\s=]+) = (?P<shape>.+?) "
+                             r"(?P<op>[a-z][a-z0-9-]*)\((?P<operands>[^)]*)\)(?P<attributes>.*)$")
+
+
+def hlo_shapes(text):
+    """The array shapes in an HLO shape string, e.g. "(f32[8,64]{1,0}, s32[])"."""
+    return [[int(d) for d in dims.split(",") if d]
+            for dims in re.findall(r"\b[a-z]+[0-9]*\[([0-9,]*)\]", text)]
+
+
+def collectives_report(hlo_text, attention_shapes):
+    """Counts the collectives of a compiled (SPMD-partitioned) HLO module, each
+    op once as written in the program (an async -start/-done pair as one, a
+    combined op over several arrays as one; ops in loops are not multiplied by
+    trip counts), and lists the all-gathers with their operand and result
+    shapes. An all-gather whose operand or result has a shape in
+    attention_shapes (q, k, v [batch, seq, heads, head_dim], per device or
+    whole) is listed again under attention_all_gathers: with batch and head
+    sharding there should be none. (The context-parallel all_gather strategy
+    gathers K/V along the sequence, dimension 1, on purpose.)"""
+    shapes, found = {}, []
+    for line in hlo_text.splitlines():
+        m = HLO_INSTRUCTION.match(line)
+        if not m:
+            continue
+        shapes[m["name"]] = m["shape"]
+        op = m["op"].removesuffix("-start")
+        if op in COLLECTIVES:
+            found.append((op, m))
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    all_gathers = []
+    for op, m in found:
+        counts[op] += 1
+        if op != "all-gather":
+            continue
+        operands = re.findall(r"%([^\s,)]+)", m["operands"])
+        dims = re.search(r"dimensions=\{([0-9,]*)\}", m["attributes"])
+        op_name = re.search(r'op_name="([^"]*)"', m["attributes"])
+        all_gathers.append(dict(
+            operand_shapes=[s for name in operands for s in hlo_shapes(shapes.get(name, ""))],
+            result_shapes=hlo_shapes(m["shape"]),
+            dimensions=[int(d) for d in dims[1].split(",") if d] if dims else None,
+            op_name=op_name[1] if op_name else None,
+        ))
+    attention = [g for g in all_gathers
+                 if any(tuple(s) in attention_shapes
+                        for s in g["operand_shapes"] + g["result_shapes"])]
+    return dict(counts=counts, all_gathers=all_gathers, attention_all_gathers=attention)
+
+
 class Progress:
     """A plain-text progress bar: redrawn in place on a terminal, a line per 10% otherwise."""
 
@@ -380,6 +451,33 @@ def main(args):
     else:
         print(f"no step timed: --steps {args.steps} <= --warmup-steps {args.warmup_steps}")
 
+    collectives = None
+    if args.dump_collectives or args.results:
+        hlo = train_step.lower(params, opt_state, inputs, targets, weights).compile().as_text()
+        head_dim = args.d_model // args.heads
+        attention_shapes = {  # q, k, v: [batch, seq, heads, head_dim], per device or whole
+            (b, s, h, head_dim)
+            for b in (batch, batch // data_devices)
+            for s in (args.seq_len, args.seq_len // cp)
+            for h in (args.heads, args.kv_heads, args.heads // hp, args.kv_heads // hp)
+        }
+        collectives = collectives_report(hlo, attention_shapes)
+        print(
+            "collectives in the compiled step: "
+            + ", ".join(f"{op} {n}" for op, n in collectives["counts"].items())
+            + f"; all-gathers of q/k/v-shaped arrays: {len(collectives['attention_all_gathers'])}"
+        )
+        gathers = collections.Counter(
+            f"{g['operand_shapes']} -> {g['result_shapes']} along dimension {g['dimensions']}"
+            for g in collectives["attention_all_gathers"]
+        )
+        for gather, n in gathers.items():
+            print(f"  {n} x all-gather {gather} (dimensions: 0 batch, 1 sequence, 2 heads)")
+        if args.dump_collectives:
+            with open(args.dump_collectives, "w") as f:
+                json.dump(collectives, f, indent=2)
+                f.write("\n")
+
     ok = True
     if check is not None:
         ours, theirs = check
@@ -409,6 +507,7 @@ def main(args):
             final_loss=loss,
             peak_bytes_in_use=[m and m.get("peak_bytes_in_use") for m in memory],
             check=check,
+            collectives=collectives,
         )
         with open(args.results, "w") as f:
             json.dump(results, f, indent=2)
