@@ -404,6 +404,7 @@ def main(args):
 
         def layout(x):
             return x
+
     train_step = make_train_step(model, update, step_shardings, positions, context)
     if args.check_steps > 0:
         # The same model on jax.nn.dot_product_attention, from a copy of the same
