@@ -6,6 +6,12 @@ there, and its queries must answer without a device instead of crashing.
 
 from __future__ import annotations
 
+import glob
+import os
+import pathlib
+import shutil
+import subprocess
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -47,3 +53,37 @@ def test_kernel_smem_query_answers(direction):
 def test_kernel_smem_query_rejects_direction():
     with pytest.raises(ValueError, match="direction"):
         cuda_kernel_smem_bytes("sideways", jnp.bfloat16, 128, False)
+
+
+def _cuda_include_dir():
+    """A directory with cuda_runtime.h (the CUDA toolkit's headers), or None."""
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        roots.append(str(pathlib.Path(nvcc).resolve().parent.parent))
+    roots += sorted(glob.glob("/usr/local/cuda-*"))
+    for root in filter(None, roots):
+        if os.path.isfile(os.path.join(root, "include", "cuda_runtime.h")):
+            return os.path.join(root, "include")
+    return None
+
+
+def test_grid_chunks(tmp_path):
+    """The sm80 launchers' chunks of grids past 65535 heads or batches (csrc/cuda/launch.h)
+    cover every (batch, head) once, in order, with the addresses of one launch: checked on
+    the host by tests/cuda_grid_chunks_check.cc, compiled here."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    source = root / "tests" / "cuda_grid_chunks_check.cc"
+    compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    include = _cuda_include_dir()
+    if not (root / "csrc" / "cuda" / "launch.h").is_file() or compiler is None or include is None:
+        pytest.skip("needs the source tree, a C++ compiler and the CUDA headers")
+    binary = tmp_path / "cuda_grid_chunks_check"
+    build = subprocess.run(
+        [compiler, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{root / 'csrc'}",
+         f"-I{root / 'csrc' / 'include'}", f"-I{include}", str(source), "-o", str(binary)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert build.returncode == 0, build.stderr[-4000:]
+    result = subprocess.run([str(binary)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.endswith("ok\n"), result.stdout[-4000:]

@@ -340,9 +340,19 @@ cudaError_t run_flash_bwd(const BwdParams& params, const LaunchContext& ctx) {
   }
   // Runs even with no query rows: it then writes dK = dV = 0.
   if (params.seqlen_k > 0) {
-    const dim3 grid(ceil_div(params.seqlen_k, Traits::kBlockN), params.num_heads_kv, params.batch);
-    kernel<<<grid, Traits::kNThreads, kSmemBytes, ctx.stream>>>(params);
-    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+    // (key blocks, kv heads, batch), in chunks of <= 65535 kv heads and batches (launch.h).
+    const int num_n_blocks = ceil_div(params.seqlen_k, Traits::kBlockN);
+    if (cudaError_t err = for_each_grid_chunk(
+            params.num_heads_kv, params.batch, 1,
+            [&](const GridChunk& chunk) {
+              const dim3 grid(num_n_blocks, chunk.heads, chunk.batches);
+              kernel<<<grid, Traits::kNThreads, kSmemBytes, ctx.stream>>>(
+                  bwd_params_chunk(params, chunk));
+              return cudaGetLastError();
+            });
+        err != cudaSuccess) {
+      return err;
+    }
   }
 
   return launch_bwd_postprocess<Element>(params, ctx);

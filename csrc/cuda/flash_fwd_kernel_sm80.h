@@ -232,9 +232,15 @@ cudaError_t run_flash_fwd(const FwdParams& params, const LaunchContext& ctx) {
       return err;
     }
   }
-  const dim3 grid(ceil_div(params.seqlen_q, Traits::kBlockM), params.num_heads, params.batch);
-  kernel<<<grid, Traits::kNThreads, kSmemBytes, ctx.stream>>>(params);
-  return cudaGetLastError();
+  // (query blocks, heads, batch), in chunks of <= 65535 heads and batches (launch.h).
+  const int num_m_blocks = ceil_div(params.seqlen_q, Traits::kBlockM);
+  return for_each_grid_chunk(
+      params.num_heads, params.batch, params.heads_per_kv, [&](const GridChunk& chunk) {
+        const dim3 grid(num_m_blocks, chunk.heads, chunk.batches);
+        kernel<<<grid, Traits::kNThreads, kSmemBytes, ctx.stream>>>(
+            fwd_params_chunk(params, chunk));
+        return cudaGetLastError();
+      });
 }
 
 }  // namespace jflash::cuda

@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/tile_sizes.h"
@@ -55,6 +56,123 @@ BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, MaskKind mask,
 // The Hopper kernels (csrc/cuda/sm90/), chosen on compute capability 9.0.
 FwdKernel& sm90_fwd_kernel_slot(DType dtype, int head_dim, MaskKind mask);
 BwdKernel& sm90_bwd_kernel_slot(DType dtype, int head_dim, MaskKind mask);
+
+// ------------------------------------------------------------------------
+// Grids of one CTA per (row block, head, batch): the sm80 forward (query
+// blocks, query heads, batch) and the sm80 backward (key blocks, kv heads,
+// batch), whose kernels read blockIdx.y as the head and blockIdx.z as the
+// batch.
+//
+// CUDA caps gridDim.y and gridDim.z at 65535 (x at 2^31 - 1); a launch past
+// that fails (cudaErrorInvalidConfiguration). batch passes it easily: a vmap
+// is folded into it (params_from_ffi.h), and so are many short sequences. So
+// a grid whose heads or batch pass 65535 is launched in chunks of at most
+// 65535 heads and 65535 batches, each with the params' pointers advanced to
+// the chunk's first (batch, head) (fwd_params_chunk, bwd_params_chunk).
+// Chunks of launches rather than (head, batch) folded into y and z and
+// divided back out in the kernel, because:
+//   - the kernels stay the same to the instruction. Both sit at the
+//     255-register limit; the in-kernel division (tried) moved head and batch
+//     out of uniform registers, reshuffled the main loops and took 2 more
+//     registers in the head dim 64 backward (-Xptxas -v, sm_80 and sm_90a);
+//   - the CTAs start in the order of one launch: row blocks fastest, then
+//     heads, then batches (the CTAs resident at one time share a head's K and
+//     V in L2), one chunk after the other. Only a call with more than 65535
+//     heads (kv heads for the backward) differs: head chunks inside each
+//     batch chunk;
+//   - every launch but the last holds at least 32768 (head, batch) pairs, so
+//     the drain at the end of a launch costs a fraction of a wave in hundreds.
+// The launches depend only on the shapes: the handlers stay CUDA-graph safe.
+constexpr int kMaxGridYZ = 65535;
+
+// Heads [head0, head0 + heads) x batches [batch0, batch0 + batches) of a grid.
+struct GridChunk {
+  int head0, heads;
+  int batch0, batches;
+};
+
+// Calls launch(chunk) for the chunks of a grid of `heads` x `batch` (the row
+// blocks along x are never split), batch chunks outside, head chunks inside;
+// returns the first error. Head chunks hold whole groups of `head_group` heads
+// (the query heads of one kv head) where a group fits in a chunk, and otherwise
+// lie inside one group, split into near-equal parts: either way the chunk's
+// head h - head0 reads kv head (h - head0) / head_group counted from
+// head0 / head_group, as the kernel computes it.
+template <typename Launch>
+cudaError_t for_each_grid_chunk(int heads, int batch, int head_group, Launch&& launch) {
+  // int64_t: b0 + kMaxGridYZ and h0 + chunk_heads may pass INT32_MAX.
+  const int64_t parts_per_group = (head_group + int64_t{kMaxGridYZ} - 1) / kMaxGridYZ;
+  const int64_t part = (head_group + parts_per_group - 1) / parts_per_group;  // <= kMaxGridYZ
+  const int64_t chunk_heads =
+      head_group <= kMaxGridYZ ? kMaxGridYZ / head_group * head_group : part;
+  for (int64_t b0 = 0; b0 < batch; b0 += kMaxGridYZ) {
+    const int64_t b1 = std::min<int64_t>(b0 + kMaxGridYZ, batch);
+    for (int64_t h0 = 0; h0 < heads;) {
+      int64_t h1 = heads - h0 <= kMaxGridYZ ? heads : h0 + chunk_heads;
+      if (head_group > kMaxGridYZ) {
+        h1 = std::min(h0 + part, (h0 / head_group + 1) * head_group);  // inside one group
+      }
+      const GridChunk chunk{static_cast<int>(h0), static_cast<int>(h1 - h0), static_cast<int>(b0),
+                            static_cast<int>(b1 - b0)};
+      if (cudaError_t err = launch(chunk); err != cudaSuccess) return err;
+      h0 = h1;
+    }
+  }
+  return cudaSuccess;
+}
+
+// ptr advanced by `elements` elements of the call's dtype.
+inline const void* advance(const void* ptr, int64_t elements, DType dtype) {
+  return static_cast<const char*>(ptr) + elements * (dtype == DType::kFloat32 ? 4 : 2);
+}
+inline void* advance(void* ptr, int64_t elements, DType dtype) {
+  return static_cast<char*>(ptr) + elements * (dtype == DType::kFloat32 ? 4 : 2);
+}
+
+// The forward's params for a chunk of query heads (for_each_grid_chunk with
+// head_group = heads_per_kv): q, k, v, out and lse start at the chunk's first
+// (batch, head), batch is the chunk's. num_heads and heads_per_kv stay the
+// call's: the kernel reads num_heads as the batch stride of lse, in heads.
+inline FwdParams fwd_params_chunk(const FwdParams& p, const GridChunk& c) {
+  FwdParams chunk = p;
+  const int64_t b = c.batch0, h = c.head0, kv = c.head0 / p.heads_per_kv;
+  chunk.q = advance(p.q, b * p.q_batch_stride + h * p.q_head_stride, p.dtype);
+  chunk.k = advance(p.k, b * p.k_batch_stride + kv * p.k_head_stride, p.dtype);
+  chunk.v = advance(p.v, b * p.v_batch_stride + kv * p.v_head_stride, p.dtype);
+  chunk.out = advance(p.out, b * p.out_batch_stride + h * p.out_head_stride, p.dtype);
+  chunk.lse = p.lse + (b * p.num_heads + h) * p.seqlen_q;
+  chunk.batch = c.batches;
+  return chunk;
+}
+
+// The backward's params for a chunk of kv heads (for_each_grid_chunk over
+// num_heads_kv, head_group = 1; the query heads are their groups): every
+// tensor starts at the chunk's first (batch, kv head) or (batch, query head),
+// batch is the chunk's. num_heads, num_heads_kv and heads_per_kv stay the
+// call's: the kernel reads num_heads as the batch stride of lse, delta,
+// dq_accum and dq_semaphore, in heads.
+inline BwdParams bwd_params_chunk(const BwdParams& p, const GridChunk& c) {
+  BwdParams chunk = p;
+  const int64_t b = c.batch0, kv = c.head0, h = int64_t{c.head0} * p.heads_per_kv;
+  chunk.q = advance(p.q, b * p.q_batch_stride + h * p.q_head_stride, p.dtype);
+  chunk.k = advance(p.k, b * p.k_batch_stride + kv * p.k_head_stride, p.dtype);
+  chunk.v = advance(p.v, b * p.v_batch_stride + kv * p.v_head_stride, p.dtype);
+  chunk.out = advance(p.out, b * p.out_batch_stride + h * p.out_head_stride, p.dtype);
+  chunk.dout = advance(p.dout, b * p.dout_batch_stride + h * p.dout_head_stride, p.dtype);
+  chunk.dq = advance(p.dq, b * p.dq_batch_stride + h * p.dq_head_stride, p.dtype);
+  chunk.dk = advance(p.dk, b * p.dk_batch_stride + kv * p.dk_head_stride, p.dtype);
+  chunk.dv = advance(p.dv, b * p.dv_batch_stride + kv * p.dv_head_stride, p.dtype);
+  const int64_t row = (b * p.num_heads + h) * p.seqlen_q;  // in [batch, heads, seqlen_q]
+  chunk.lse = p.lse + row;
+  chunk.dlse = p.dlse + row;
+  chunk.delta = p.delta + row;
+  chunk.dq_accum = p.dq_accum + row * p.head_dim;
+  if (p.dq_semaphore != nullptr) {
+    chunk.dq_semaphore = p.dq_semaphore + (b * p.num_heads + h) * dq_semaphore_slots(p.seqlen_q);
+  }
+  chunk.batch = c.batches;
+  return chunk;
+}
 
 // TMA reads tensors whose base addresses and strides are 16-byte multiples
 // and whose extents are non-zero.

@@ -100,6 +100,17 @@ inline ffi::Error FillFwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
       qs->heads % ks->heads != 0) {
     return ffi::Error::InvalidArgument("jflash: unsupported head_dim or head counts");
   }
+  // The params hold these as int; past INT32_MAX they would wrap, and the
+  // kernels would run on a wrong shape. (batch folds the leading axes, a vmap's
+  // among them.)
+  for (int64_t n : {qs->batch, qs->seq, ks->seq, qs->heads}) {
+    if (n > INT32_MAX) {
+      return ffi::Error::InvalidArgument(
+          "jflash: batch (the product of the leading axes), sequence lengths and head counts "
+          "must each be below 2^31; got q " + DimsToString(q.dimensions()) + ", k " +
+          DimsToString(k.dimensions()));
+    }
+  }
   if (lse.element_count() != qs->batch * qs->heads * qs->seq) {
     return ffi::Error::InvalidArgument("jflash: lse must hold batch * num_heads * seqlen_q floats");
   }
