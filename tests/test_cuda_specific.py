@@ -365,7 +365,8 @@ def _is_hopper():
 # under MQA with more than 65535 query heads, inside one group; chunks of
 # both; two row blocks along x (head dim 32 runs 128-row forward and 128-key
 # backward tiles). Head dim 32 runs the sm80 kernels on every GPU; 128 runs the
-# Hopper kernels on Hopper (and is in the ci build). On Hopper,
+# Hopper kernels on Hopper (and is in the ci build), whose forward and backward
+# launch one-dimensional grids of work units. On Hopper,
 # test_grid_limits_with_sm80_kernels runs every case on the sm80 kernels too.
 # (batch, seq_q, seq_k, num_heads, num_heads_kv, head_dim, diag_lo, diag_hi, deterministic)
 GRID_CASES = [
@@ -385,12 +386,6 @@ def _grid_case_id(case):
     return _case_id(case[:8]) + ("_deterministic" if case[8] else "")
 
 
-def _grid_case_on_hopper_backward(case, dtype):
-    """Whether the case runs the Hopper backward with kv heads or batch past 65535."""
-    b, _, _, _, hkv, d, lo = case[:7]
-    return cuda_backward_family(dtype, d, lo is not None) == 90 and max(b, hkv) > 65535
-
-
 @pytest.mark.parametrize("case", GRID_CASES, ids=_grid_case_id)
 def test_grid_limits_against_reference(rng, case):
     """Batch or heads past 65535: forward and backward within the 2x rule."""
@@ -399,16 +394,7 @@ def test_grid_limits_against_reference(rng, case):
         assert cuda_forward_family(dtype, case[5], case[6] is not None) in (80, 0)
     if os.environ.get("JFLASH_CUDA_BACKWARD") == "sm80":
         assert cuda_backward_family(dtype, case[5], case[6] is not None) in (80, 0)
-    try:
-        _check_against_reference(rng, case[:8], dtype, deterministic=case[8])
-    except Exception as e:
-        # The Hopper backward (csrc/cuda/sm90/flash_bwd_kernel_sm90.h) still
-        # launches a (key blocks, kv heads, batch) grid: a launch error, which
-        # the handler reports. Its grid is being changed on another branch.
-        if _grid_case_on_hopper_backward(case, dtype) and "backward launch" in str(e):
-            pytest.xfail("the Hopper backward's grid puts batch in gridDim.z: "
-                         + str(e).splitlines()[0][:200])
-        raise
+    _check_against_reference(rng, case[:8], dtype, deterministic=case[8])
 
 
 def test_grid_limits_vmap(rng):
