@@ -104,8 +104,7 @@ def _inputs(rng, batch, seq_q, seq_k, heads, heads_kv, head_dim, injection):
         v[0, pos, 1, 3] = np.nan
     elif what == "q_inf":
         q[0, pos, 1, 5] = np.inf
-    elif what == "k_v":  # the same key, NaN in both k and v
-        k[0, pos, 1, :] = np.nan
+    elif what == "v_row":  # a whole v row
         v[0, pos, 1, :] = np.nan
     dout = rng.standard_normal(q.shape)
     dlse = rng.standard_normal((batch, heads, seq_q))
@@ -264,16 +263,22 @@ def test_nan_with_scale_sign(rng, injection, scale):
     _check(rng, SHAPES["causal"], 64, INJECTIONS[injection], scale=scale)
 
 
-def test_nan_in_a_key_no_row_sees(rng):
+@pytest.mark.parametrize("what", ["k", "v_row"])
+def test_nan_in_a_key_no_row_sees(rng, what):
     """Top-left causal with seq_k > seq_q (jax.nn's is_causal): keys 100.. are
-    seen by no query, but query blocks padded past the last row would see
-    key 105 if the padding rows counted. A NaN in its k and v reaches no
-    output, no lse, and no dk or dv; jax.nn agrees there."""
+    seen by no query, but the rows past the last one in a padded query block
+    would see key 105 if they counted. A NaN in its k or v row never reaches
+    its dk and dv (0, as in jax.nn); a NaN k reaches no out, lse, dk or dv at
+    all (dq: dS K multiplies k[105] by masked zeros in the tiles that hold
+    it). A NaN v may reach out (and dq, dk) through P V's masked zeros, as
+    the README's limit says."""
     shape = (1, 100, 300, 4, 2, False, None)
-    kernel, _, _ = _check(rng, shape, 64, ("k_v", 105), band=(-100, 0))
-    for name, x in zip(NAMES, kernel):
-        if name != "dq":  # dS K multiplies k[105] by masked zeros in the tiles that hold it
-            assert not np.isnan(x).any(), name
+    kernel, _, _ = _check(rng, shape, 64, (what, 105), band=(-100, 0))
+    out, lse, dq, dk, dv = kernel
+    assert np.all(dk[:, 105] == 0) and np.all(dv[:, 105] == 0)
+    assert not np.isnan(lse).any() and not np.isnan(dv).any()
+    if what == "k":
+        assert not np.isnan(out).any() and not np.isnan(dk).any()
 
 
 def test_row_with_only_minus_inf_scores(rng):
