@@ -116,7 +116,13 @@ def _float64(x):
 
 
 def _jax_nn(q, k, v, dout, visible, scale):
-    """J: jax.nn's float32 out and gradients, and the lse of its masked logits."""
+    """J: jax.nn's float32 out and gradients, and the lse of its masked logits,
+    computed on the CPU (XLA's CPU backend) whatever the default device."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        return _jax_nn_here(q, k, v, dout, visible, scale)
+
+
+def _jax_nn_here(q, k, v, dout, visible, scale):
     q, k, v, dout = (jnp.asarray(x, jnp.float32) for x in (q, k, v, dout))
     mask = jnp.asarray(visible)[None, None]
 
