@@ -3,6 +3,17 @@
 The documentation of what the kernels compute, and the reference every test
 compares against. It materializes the seq_q x seq_k score matrix: use it for
 checking, not for speed.
+
+NaN and Inf (README, "NaN and Inf"): a masked (query, key) pair takes no part
+in the attention. Its score enters no row max or sum, its probability and its
+score gradient are exactly 0, and the sums over pairs (P V, and in the
+gradients P^T dO, dS K, dS^T Q) skip it, rather than multiply a non-finite
+input by its 0. Everything else is float32 IEEE arithmetic: a NaN reaches
+exactly what depends on it through visible pairs. A row that sees no key (a
+fact of the mask, not of the values) gives out 0, lse -inf and zero
+gradients; a row that sees keys but whose softmax is undefined (a NaN or +inf
+score, or every score -inf) gives out and lse NaN, so lse -inf always means
+"no key". tests/reference64.py computes the same in float64.
 """
 
 from __future__ import annotations
@@ -11,9 +22,105 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jflash._src import masks
 from jflash._src.flash_attention import resolve_arguments
+
+# HIGHEST: on GPU a float32 einsum otherwise runs in TF32, and the reference
+# would be no more exact than the kernels it judges.
+_einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+
+
+def _visible(band):
+    """[seq_q, seq_k] bool (jnp) of band = (seq_q, seq_k, diag_lo, diag_hi)."""
+    return masks.visible(*band)
+
+
+def _nonfinite_terms(w, x, visible, spec):
+    """The terms of the visible pairs whose x is NaN or +-inf, summed by IEEE
+    rules: NaN if any is NaN (x NaN, or inf times a 0 weight) or both signs of
+    inf occur, else the inf, else 0. Counts of such terms come from products of
+    0/1 matrices (float32, exact), so nothing here materializes pairs x head_dim."""
+    f32 = jnp.float32
+    w = w.astype(f32)
+    vis = visible.astype(f32)
+    pos, neg, zero = (vis * c.astype(f32) for c in (w > 0, w < 0, w == 0))
+    nan_x, pinf, ninf = (c.astype(f32) for c in (jnp.isnan(x), x == jnp.inf, x == -jnp.inf))
+
+    def count(a, b):
+        return _einsum(spec, a, b) > 0
+
+    is_nan = count(jnp.broadcast_to(vis, w.shape), nan_x) | count(zero, pinf + ninf)
+    pos_inf = count(pos, pinf) | count(neg, ninf)
+    neg_inf = count(pos, ninf) | count(neg, pinf)
+    return jnp.where(is_nan | (pos_inf & neg_inf), jnp.nan,
+                     jnp.where(pos_inf, jnp.inf, jnp.where(neg_inf, -jnp.inf, 0.0)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _visible_sum(w, x, band, over_keys):
+    """The sum over the visible pairs of w times x, masked pairs skipped.
+
+    over_keys False: y[b, i, h] = sum_j w[b, h, i, j] x[b, j, h]   (P V, dS K)
+    over_keys True:  y[b, j, h] = sum_i w[b, h, i, j] x[b, i, h]   (P^T dO, dS^T Q)
+
+    With finite x this is one einsum; a NaN or inf in x reaches only the rows
+    (keys) that see its key (row), as in the kernels, instead of every row
+    through 0 * NaN. Its gradient skips masked pairs alike.
+    """
+    spec = "bhij,bihd->bjhd" if over_keys else "bhij,bjhd->bihd"
+    visible = _visible(band)
+    w = jnp.where(visible, w, 0)
+    finite = jnp.isfinite(x)
+    y = _einsum(spec, w, jnp.where(finite, x, 0))
+    pairs = visible.T if over_keys else visible
+    w_pairs = jnp.swapaxes(w, -1, -2) if over_keys else w
+    extra = jax.lax.cond(
+        jnp.all(finite),
+        lambda: jnp.zeros(y.shape, jnp.float32),
+        lambda: _nonfinite_terms(w_pairs, x, pairs, "bhij,bjhd->bihd"),
+    )
+    return y + extra.astype(y.dtype)
+
+
+def _visible_sum_fwd(w, x, band, over_keys):
+    return _visible_sum(w, x, band, over_keys), (w, x)
+
+
+def _visible_sum_bwd(band, over_keys, residuals, g):
+    w, x = residuals
+    # dw[i, j] = g . x over head_dim for visible pairs (over_keys: g at key j,
+    # x at row i); dx is a visible sum of w and g the other way round.
+    dw_spec = "bjhd,bihd->bhij" if over_keys else "bihd,bjhd->bhij"
+    dw = jnp.where(_visible(band), _einsum(dw_spec, g, x), 0).astype(w.dtype)
+    dx = _visible_sum(w, g, band, not over_keys).astype(x.dtype)
+    return dw, dx
+
+
+_visible_sum.defvjp(_visible_sum_fwd, _visible_sum_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _scores(q, k, band):
+    """S = Q K^T [b, h, i, j]; its gradient skips masked pairs (dQ = dS K and
+    dK = dS^T Q as visible sums), so a NaN in k (q) does not reach the rows
+    (keys) that do not see it."""
+    return _einsum("bqhd,bkhd->bhqk", q, k)
+
+
+def _scores_fwd(q, k, band):
+    return _scores(q, k, band), (q, k)
+
+
+def _scores_bwd(band, residuals, ds):
+    q, k = residuals
+    ds = ds.astype(q.dtype)
+    return (_visible_sum(ds, k, band, False).astype(q.dtype),
+            _visible_sum(ds, q, band, True).astype(k.dtype))
+
+
+_scores.defvjp(_scores_fwd, _scores_bwd)
 
 
 def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, dtype=jnp.float32):
@@ -21,29 +128,32 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, dtype=
 
     dtype is the compute dtype: float32 gives the reference; the input's own
     dtype gives the "same-dtype plain computation" of FlashAttention's test rule.
-    Fully masked rows give out 0, lse -inf and zero gradients (never NaN).
+    Rows that see no key give out 0, lse -inf and zero gradients (never NaN);
+    NaN and Inf as in the module docstring.
     """
     batch, seqlen_q, num_heads, _ = query.shape
     seqlen_k, num_heads_kv = key.shape[1], key.shape[2]
     diag_lo, diag_hi = masks.clamp_band(seqlen_q, seqlen_k, diag_lo, diag_hi)
+    band = (seqlen_q, seqlen_k, diag_lo, diag_hi)
     group = num_heads // num_heads_kv
     q = query.astype(dtype)
     k = jnp.repeat(key.astype(dtype), group, axis=2)  # kv head h // group serves query head h
     v = jnp.repeat(value.astype(dtype), group, axis=2)
-    # HIGHEST: on GPU a float32 einsum otherwise runs in TF32, and the reference
-    # would be no more exact than the kernels it judges.
-    einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
-    scores = einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(softmax_scale, dtype)
-    scores = jnp.where(masks.visible(seqlen_q, seqlen_k, diag_lo, diag_hi), scores, -jnp.inf)
-    # The row max only stabilizes exp; it cancels, so no gradient flows through it.
+    visible = _visible(band)
+    no_key = jnp.asarray(masks.rows_without_keys(*band))[:, None]  # [seq_q, 1]
+    scores = _scores(q, k, band) * jnp.asarray(softmax_scale, dtype)
+    scores = jnp.where(visible, scores, -jnp.inf)
+    # The row max only stabilizes exp; it cancels, so no gradient flows through
+    # it. NaN (a NaN score) and +inf stay: they make the row NaN, as they must.
     row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)  # fully masked: -inf - -inf = NaN
-    p = jnp.exp(scores - row_max)
+    row_max = jnp.where(row_max == -jnp.inf, 0, row_max)  # no visible score above -inf
+    p = jnp.where(visible, jnp.exp(scores - row_max), 0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    seen = denom > 0
-    safe_denom = jnp.where(seen, denom, 1)
-    out = einsum("bhqk,bkhd->bqhd", p / safe_denom, v)
-    lse = jnp.where(seen, jnp.log(safe_denom) + row_max, -jnp.inf)[..., 0]
+    # 0 / 0 = NaN where a row sees keys whose scores are all -inf.
+    safe_denom = jnp.where(no_key, 1, denom)
+    out = _visible_sum(p / safe_denom, v, band, False)
+    log_denom = jnp.log(jnp.where(denom == 0, 1, safe_denom)) + row_max
+    lse = jnp.where(no_key, -jnp.inf, jnp.where(denom == 0, jnp.nan, log_denom))[..., 0]
     return out.astype(query.dtype), lse.astype(jnp.float32)
 
 

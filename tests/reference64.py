@@ -4,6 +4,15 @@ jflash.reference computes in float32, which is exact enough to judge half
 precision but not float32 kernels (a float32 kernel would be judged against
 itself). FlashAttention's rule compares errors against this float64 truth:
     max|kernel - truth| <= 2 * max|plain same-dtype computation - truth| + floor.
+
+NaN and Inf follow jflash's semantics (README, "NaN and Inf"), the same as
+jflash.reference's: a masked (query, key) pair takes no part, so its score
+enters no max or sum, and its probability and score gradient are exactly 0;
+sums over the pairs (P V, P^T dO, dS K, dS^T Q) skip masked pairs rather
+than multiply a non-finite input by their 0. A row that sees no key (a fact
+of the mask) gives out 0, lse -inf and no gradient; a row that sees keys
+but whose softmax is undefined (a NaN or +inf score, or every score -inf)
+gives out and lse NaN.
 """
 
 from __future__ import annotations
@@ -15,24 +24,52 @@ def _expand_kv(x, group):
     return np.repeat(x, group, axis=2)  # kv head h // group serves query head h
 
 
+def visible_mask(seqlen_q, seqlen_k, diag_lo, diag_hi):
+    """[seqlen_q, seqlen_k] bool: key j visible from query i iff diag_lo <= j - i <= diag_hi."""
+    offset = np.arange(seqlen_k)[None, :] - np.arange(seqlen_q)[:, None]
+    return (offset >= diag_lo) & (offset <= diag_hi)
+
+
+def visible_sum(w, x, visible, over_keys=False):
+    """The sum over visible pairs of w times x, masked pairs skipped.
+
+    over_keys False: y[b, i, h] = sum_j w[b, h, i, j] x[b, j, h] (P V, dS K).
+    over_keys True:  y[b, j, h] = sum_i w[b, h, i, j] x[b, i, h] (P^T dO, dS^T Q).
+    w must be 0 on masked pairs. Finite x enters one einsum; each row of x
+    with a non-finite entry adds its terms of the visible pairs only, so a NaN
+    in x reaches the rows (or keys) that see it, and no others.
+    """
+    spec = "bhij,bihd->bjhd" if over_keys else "bhij,bjhd->bihd"
+    finite = np.isfinite(x)
+    y = np.einsum(spec, w, np.where(finite, x, 0.0))
+    pairs = visible.T if over_keys else visible  # [summed-into, summed-over]
+    for b, n, h in zip(*np.nonzero(~finite.all(-1))):
+        into = pairs[:, n]  # the rows (keys) that see position n of x
+        weights = w[b, h, :, n][into] if not over_keys else w[b, h, n, :][into]
+        bad = ~finite[b, n, h]
+        with np.errstate(invalid="ignore"):
+            y[b, into, h] += np.where(bad, weights[:, None] * x[b, n, h][None, :], 0.0)
+    return y
+
+
 def forward(q, k, v, softmax_scale, diag_lo, diag_hi):
     """(out [b,sq,h,d], lse [b,h,sq], p [b,h,sq,sk]) in float64."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     group = q.shape[2] // k.shape[2]
     k, v = _expand_kv(k, group), _expand_kv(v, group)
-    s = np.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
     sq, sk = q.shape[1], k.shape[1]
-    offset = np.arange(sk)[None, :] - np.arange(sq)[:, None]
-    visible = (offset >= diag_lo) & (offset <= diag_hi)
-    s = np.where(visible, s, -np.inf)
-    m = s.max(-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m)
-    denom = p.sum(-1, keepdims=True)
-    seen = denom > 0
-    p = p / np.where(seen, denom, 1.0)
-    out = np.einsum("bhqk,bkhd->bqhd", p, v)
-    lse = np.where(seen, np.log(np.where(seen, denom, 1.0)) + m, -np.inf)[..., 0]
+    visible = visible_mask(sq, sk, diag_lo, diag_hi)
+    no_key = ~visible.any(-1)[:, None]  # [sq, 1]: rows that see no key
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        s = np.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
+        s = np.where(visible, s, -np.inf)
+        m = s.max(-1, keepdims=True)  # NaN if a visible score is NaN
+        m = np.where(m == -np.inf, 0.0, m)  # no key, or every score -inf: -inf - -inf = NaN
+        p = np.where(visible, np.exp(s - m), 0.0)
+        denom = p.sum(-1, keepdims=True)
+        p = np.where(visible, p / np.where(no_key, 1.0, denom), 0.0)  # 0 / 0 = NaN: undefined rows
+        lse = np.where(no_key, -np.inf, np.where(denom == 0, np.nan, np.log(denom) + m))[..., 0]
+    out = visible_sum(p, v, visible)
     return out, lse, p
 
 
@@ -43,12 +80,14 @@ def backward(q, k, v, dout, dlse, softmax_scale, diag_lo, diag_hi):
     out, _, p = forward(q, k, v, softmax_scale, diag_lo, diag_hi)
     group = q.shape[2] // k.shape[2]
     ke, ve = _expand_kv(k, group), _expand_kv(v, group)
-    dv = np.einsum("bhqk,bqhd->bkhd", p, dout)
-    dp = np.einsum("bqhd,bkhd->bhqk", dout, ve)
-    delta = np.einsum("bqhd,bqhd->bhq", dout, out) - dlse  # d lse / d s = p
-    ds = p * (dp - delta[..., None])
-    dq = np.einsum("bhqk,bkhd->bqhd", ds, ke) * softmax_scale
-    dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * softmax_scale
+    visible = visible_mask(q.shape[1], k.shape[1], diag_lo, diag_hi)
+    with np.errstate(invalid="ignore", over="ignore"):
+        dv = visible_sum(p, dout, visible, over_keys=True)
+        dp = np.einsum("bqhd,bkhd->bhqk", dout, ve)
+        delta = np.einsum("bqhd,bqhd->bhq", dout, out) - dlse  # d lse / d s = p
+        ds = np.where(visible, p * (dp - delta[..., None]), 0.0)
+        dq = visible_sum(ds, ke, visible) * softmax_scale
+        dk = visible_sum(ds, q, visible, over_keys=True) * softmax_scale
 
     def fold(x):  # sum the query heads of each group into their kv head
         b, s, h, d = x.shape

@@ -64,8 +64,9 @@ JFLASH_INLINE void delta_block(const BwdParams& params, int64_t task) {
 
 // Per-query statistics of one query block: lse_safe [q_pad] is lse, but +inf
 // for a query that sees no key (lse = -inf) and for padding, so that
-// exp(s - lse_safe) is 0 there rather than exp(-inf - -inf) = NaN. delta [q_pad]
-// is 0 for padding.
+// exp(s - lse_safe) is 0 there (for finite s) rather than exp(s + inf). delta
+// [q_pad] is 0 for padding. A NaN lse (a row whose softmax is undefined) stays
+// NaN: its P and dS are NaN on the keys it sees.
 JFLASH_INLINE void load_row_stats(const BwdParams& params, int64_t batch, int64_t head,
                                   int64_t q0, int q_rows, int q_pad, float* lse_safe,
                                   float* delta) {
@@ -106,19 +107,30 @@ JFLASH_INLINE void compute_ds(const float* p_t, float* dp_t, int k_pad, int q_pa
   }
 }
 
-// S^T = K (scale Q)^T with the mask applied, then P^T, for one (key tile, query
+// S^T = K (scale Q)^T, then P^T with the mask applied, for one (key tile, query
 // tile). k_tile [k_pad, d_pad], q_t [d_pad, q_pad] -> p_t [k_pad, q_pad].
+// Masked elements get P = 0 after the exponential, so that a NaN row's lse
+// (or a NaN score of a key it does not see) leaves them 0. Returns whether
+// the tile was masked: then dS needs the same (mask_ds).
 template <class T, class Mask>
-JFLASH_INLINE void probabilities(const BwdParams& params, int64_t q0, int q_rows, int q_pad,
+JFLASH_INLINE bool probabilities(const BwdParams& params, int64_t q0, int q_rows, int q_pad,
                                  int64_t k0, int k_rows, int k_pad, int d_pad,
                                  const float* k_tile, const float* q_t, const float* lse_safe,
                                  float* p_t) {
   gemm<T, Accumulate::kOverwrite>(k_pad, q_pad, d_pad, k_tile, d_pad, 1, q_t, q_pad, p_t, q_pad);
-  const Mask mask(params.mask);
-  if (mask.tile_class(q0, q0 + q_rows, k0, k0 + k_rows) != TileClass::kFull || k_rows != k_pad) {
-    mask_scores(mask, params.seqlen_q, q0, q_pad, k0, k_rows, k_pad, p_t);
-  }
   recompute_p<T>(p_t, k_pad, q_pad, lse_safe);
+  const Mask mask(params.mask);
+  const bool masked = tile_needs_mask(mask, q0, q_rows, k0, k_rows, k_pad);
+  if (masked) mask_tile(mask, params.seqlen_q, q0, q_pad, k0, k_rows, k_pad, 0.0f, p_t);
+  return masked;
+}
+
+// dS^T = 0 on the masked elements of a tile that probabilities() masked: P is
+// 0 there, but dP - delta may be NaN (a NaN in v, a NaN row's delta).
+template <class Mask>
+JFLASH_INLINE void mask_ds(const BwdParams& params, int64_t q0, int q_pad, int64_t k0, int k_rows,
+                           int k_pad, float* ds_t) {
+  mask_tile(Mask(params.mask), params.seqlen_q, q0, q_pad, k0, k_rows, k_pad, 0.0f, ds_t);
 }
 
 JFLASH_INLINE TileRef q_tile_ref(const BwdParams& params, int64_t batch, int64_t head, int64_t q0) {
@@ -201,14 +213,15 @@ JFLASH_INLINE void dkdv_block(const BwdParams& params, int64_t task) {
       load_tile_transposed(do_ref, q_rows, head_dim, q_pad, d_pad, 1.0f, do_t, q_pad);
       load_row_stats(params, batch, head, q0, q_rows, q_pad, lse_safe, delta);
 
-      probabilities<T, Mask>(params, q0, q_rows, q_pad, k0, k_rows, k_pad, d_pad, k_tile, q_t,
-                             lse_safe, p_t);
+      const bool masked = probabilities<T, Mask>(params, q0, q_rows, q_pad, k0, k_rows, k_pad,
+                                                 d_pad, k_tile, q_t, lse_safe, p_t);
       // dV += P^T dO: [k_pad, d_pad]
       gemm<T, Accumulate::kAdd>(k_pad, d_pad, q_pad, p_t, q_pad, 1, do_tile, d_pad, dv, d_pad);
       // dP^T = V dO^T: [k_pad, q_pad]
       gemm<T, Accumulate::kOverwrite>(k_pad, q_pad, d_pad, v_tile, d_pad, 1, do_t, q_pad, ds_t,
                                       q_pad);
       compute_ds<T>(p_t, ds_t, k_pad, q_pad, delta);
+      if (masked) mask_ds<Mask>(params, q0, q_pad, k0, k_rows, k_pad, ds_t);
       // dK += dS^T (scale Q) = scale dS^T Q: [k_pad, d_pad]
       gemm<T, Accumulate::kAdd>(k_pad, d_pad, q_pad, ds_t, q_pad, 1, q_tile, d_pad, dk, d_pad);
     }
@@ -258,12 +271,13 @@ JFLASH_INLINE void dq_block(const BwdParams& params, int64_t task) {
     const int k_rows = static_cast<int>(std::min<int64_t>(block_k, key_end - k0));
     const int k_pad = round_up(k_rows, T::kRows);
     load_kv(params, batch, kv_head, k0, k_rows, k_pad, d_pad, k_tile, v_tile);
-    probabilities<T, Mask>(params, q0, q_rows, q_pad, k0, k_rows, k_pad, d_pad, k_tile, q_t,
-                           lse_safe, p_t);
+    const bool masked = probabilities<T, Mask>(params, q0, q_rows, q_pad, k0, k_rows, k_pad,
+                                               d_pad, k_tile, q_t, lse_safe, p_t);
     // dP^T = V dO^T: [k_pad, q_pad]
     gemm<T, Accumulate::kOverwrite>(k_pad, q_pad, d_pad, v_tile, d_pad, 1, do_t, q_pad, ds_t,
                                     q_pad);
     compute_ds<T>(p_t, ds_t, k_pad, q_pad, delta);
+    if (masked) mask_ds<Mask>(params, q0, q_pad, k0, k_rows, k_pad, ds_t);
     // dQ += dS K: [q_pad, d_pad]; a(i, j) = ds_t[j][i]. softmax_scale at the store.
     gemm<T, Accumulate::kAdd>(q_pad, d_pad, k_pad, ds_t, 1, q_pad, k_tile, d_pad, dq, d_pad);
   }

@@ -96,8 +96,8 @@ JFLASH_INLINE void fwd_block(const FwdParams& params, int64_t task) {
     // S^T = K (scale Q)^T: [k_pad, q_pad]
     gemm<T, Accumulate::kOverwrite>(k_pad, q_pad, d_pad, k_tile, d_pad, 1, q_t, q_pad, s_t,
                                     q_pad);
-    if (mask.tile_class(q0, q0 + q_rows, k0, k0 + k_rows) != TileClass::kFull || k_rows != k_pad) {
-      mask_scores(mask, params.seqlen_q, q0, q_pad, k0, k_rows, k_pad, s_t);
+    if (tile_needs_mask(mask, q0, q_rows, k0, k_rows, k_pad)) {
+      mask_tile(mask, params.seqlen_q, q0, q_pad, k0, k_rows, k_pad, kNegInf, s_t);
     }
     softmax_update<T>(s_t, k_pad, q_pad, row_max, row_sum, row_rescale);
     // O = rescale * O + P V: [q_pad, d_pad]; a(i, j) = p_t[j][i].
@@ -105,13 +105,23 @@ JFLASH_INLINE void fwd_block(const FwdParams& params, int64_t task) {
                                    row_rescale);
   }
 
-  // out = O / l and lse = m + log l; a query that saw no key gets 0 and -inf.
+  // out = O / l and lse = m + log l. A query that sees no key (a fact of the
+  // mask: a NaN score makes l NaN, not 0) gets 0 and -inf; one that sees keys
+  // but whose softmax is undefined gets NaN: l NaN (a NaN or +inf score), or
+  // l = 0 (every score -inf; then O / l = 0 / 0).
   float* lse = params.lse + (batch * params.num_heads + head) * params.seqlen_q + q0;
   for (int i = 0; i < q_rows; ++i) {
+    float* o_row = o + i * d_pad;
+    const IndexRange keys = mask.row_keys(q0 + i, params.seqlen_k);
+    if (keys.begin >= keys.end) {
+      lse[i] = kNegInf;
+      std::fill(o_row, o_row + head_dim, 0.0f);  // O may hold 0 * NaN of a NaN in v
+      continue;
+    }
     const float sum = row_sum[i];
-    const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
-    lse[i] = sum > 0.0f ? row_max[i] + std::log(sum) : kNegInf;
-    for (int c = 0; c < head_dim; ++c) o[i * d_pad + c] *= inv_sum;
+    lse[i] = sum == 0.0f ? std::numeric_limits<float>::quiet_NaN() : row_max[i] + std::log(sum);
+    const float inv_sum = 1.0f / sum;
+    for (int c = 0; c < head_dim; ++c) o_row[c] *= inv_sum;
   }
   store_tile(o, d_pad, q_rows, head_dim, 1.0f, params.dtype, params.out,
              batch * params.out_batch_stride + q0 * params.out_row_stride +

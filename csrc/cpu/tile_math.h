@@ -184,9 +184,11 @@ JFLASH_INLINE V vmax(const V& a, const V& b) {
 }
 
 // exp(x), within ~1 ulp (Cephes expf: Cody-Waite reduction x = n ln2 + r with
-// |r| <= ln2 / 2, degree-6 polynomial, 2^n built in the exponent bits). Below
+// |r| <= ln2 / 2, degree-6 polynomial, times 2^n built in the exponent bits). Below
 // ln(FLT_MIN) it returns exactly 0 rather than a subnormal, so exp(-inf) = 0,
-// which masking relies on. NaN propagates.
+// which masking relies on. NaN propagates, whatever its payload: 2^n is applied
+// as a float multiply (adding n to y's exponent bits, one instruction as well,
+// would turn some NaN payloads into numbers).
 template <class T>
 JFLASH_INLINE typename T::Vec exp_vec(const typename T::Vec& arg) {
   using V = typename T::Vec;
@@ -199,8 +201,9 @@ JFLASH_INLINE typename T::Vec exp_vec(const typename T::Vec& arg) {
   x = x > kMaxArg ? splat<V>(kMaxArg) : x;
   const V shifted = x * 1.44269504088896341f + kRoundMagic;
   const V n = shifted - kRoundMagic;
-  // The integer n sits in the low mantissa bits of `shifted`.
-  const IntVec n_int = (IntVec)shifted - (IntVec)splat<V>(kRoundMagic);
+  // The integer n sits in the low mantissa bits of `shifted`; n + 127 is the
+  // biased exponent of 2^n (n in [-126, 127] after the clamps above).
+  const IntVec n_biased = (IntVec)shifted - ((IntVec)splat<V>(kRoundMagic) - 127);
   // ln2 = 0.693359375 - 2.12194440e-4; the first part has 9 bits, so n * it is exact.
   V r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
@@ -211,7 +214,7 @@ JFLASH_INLINE typename T::Vec exp_vec(const typename T::Vec& arg) {
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * (r * r) + r + 1.0f;
-  const V result = (V)((IntVec)y + (n_int << 23));
+  const V result = y * (V)(n_biased << 23);
   return underflow ? V{} : result;
 }
 
@@ -286,15 +289,24 @@ JFLASH_INLINE void gemm(int rows, int cols, int depth, const float* a, int64_t a
 
 // ---- Masking ----------------------------------------------------------------------
 
-// s_t[j][i] = -inf where query q0 + i cannot see key k0 + j, and for padding keys
-// k_rows <= j < k_pad. s_t: [k_pad, q_pad]. Only called on tiles the policy does
-// not classify as full, or that end in padding.
+// Whether the (query rows x keys) tile needs mask_tile: the policy does not
+// classify it as full, or it ends in padding keys.
 template <class Mask>
-JFLASH_INLINE void mask_scores(const Mask& mask, int64_t seqlen_q, int64_t q0, int q_pad,
-                               int64_t k0, int k_rows, int k_pad, float* s_t) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+JFLASH_INLINE bool tile_needs_mask(const Mask& mask, int64_t q0, int q_rows, int64_t k0,
+                                   int k_rows, int k_pad) {
+  return mask.tile_class(q0, q0 + q_rows, k0, k0 + k_rows) != TileClass::kFull || k_rows != k_pad;
+}
+
+// t[j][i] = value where query q0 + i cannot see key k0 + j (query rows past the
+// key's row range included), and for padding keys k_rows <= j < k_pad. t:
+// [k_pad, q_pad]. The forward sets masked scores to -inf before the softmax;
+// the backward sets P and dS to 0 after computing them, a select that a NaN
+// row (lse NaN, delta NaN) cannot turn into NaN.
+template <class Mask>
+JFLASH_INLINE void mask_tile(const Mask& mask, int64_t seqlen_q, int64_t q0, int q_pad,
+                             int64_t k0, int k_rows, int k_pad, float value, float* t) {
   for (int j = 0; j < k_pad; ++j) {
-    float* row = s_t + int64_t{j} * q_pad;
+    float* row = t + int64_t{j} * q_pad;
     int visible_begin = q_pad, visible_end = q_pad;  // padding key: nothing visible
     if (j < k_rows) {
       // Queries [row_begin, row_end) see key k0 + j.
@@ -305,8 +317,8 @@ JFLASH_INLINE void mask_scores(const Mask& mask, int64_t seqlen_q, int64_t q0, i
       visible_begin = static_cast<int>(begin < 0 ? 0 : (begin > q_pad ? q_pad : begin));
       visible_end = static_cast<int>(end < visible_begin ? visible_begin : (end > q_pad ? q_pad : end));
     }
-    for (int i = 0; i < visible_begin; ++i) row[i] = kNegInf;
-    for (int i = visible_end; i < q_pad; ++i) row[i] = kNegInf;
+    for (int i = 0; i < visible_begin; ++i) row[i] = value;
+    for (int i = visible_end; i < q_pad; ++i) row[i] = value;
   }
 }
 

@@ -203,7 +203,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int64_t row_offset = (int64_t{batch} * params.num_heads + head) * params.seqlen_q;
 
     // lse (log2 domain) and delta of this thread's rows. Rows past the end and
-    // rows that saw no key in the forward (lse = -inf) get lse = +inf: P = 0.
+    // rows that saw no key in the forward (lse = -inf) get lse = +inf: P = 0
+    // for finite scores (and the mask zeroes the rest: such rows are never in
+    // a full tile). A NaN lse (a row whose softmax is undefined) stays NaN.
     float lse_log2[kRows];
     float delta[kRows];
     CUTE_UNROLL
@@ -235,27 +237,36 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             smem_tiled_copy_QdO, smem_thr_copy_QdO, smem_tiled_copy_KV, smem_thr_copy_KV);
 
     // P = exp2(S * scale_log2 - lse_log2), dS = P * (dP - delta); masked
-    // elements (outside the band or past the last key) get P = dS = 0.
+    // elements (outside the band or past the last key) get P = dS = 0 by a
+    // select after the arithmetic, which a NaN row (lse, delta NaN) or a NaN in
+    // v (dP NaN) cannot turn into NaN. The last key here is the last one that
+    // some row sees (key_limit): a band may let rows past seqlen_q (zeros, lse
+    // = +inf) see keys that no row sees, and their scores are NaN where k is.
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
     const bool needs_mask =
         key0 + kBlockN > params.seqlen_k ||
         mask.tile_class(row0, min(row0 + kBlockM, params.seqlen_q), key0, key0 + kBlockN) !=
             TileClass::kFull;
+    const int key_limit =
+        static_cast<int>(mask.keys_of_rows(0, params.seqlen_q, params.seqlen_k).end);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
         float p = fast_exp2(s(r, c) * params.softmax_scale_log2 - lse_log2[r]);
+        float ds = p * (dp(r, c) - delta[r]);
         if (needs_mask) {
           const int row = row0 + get<0>(tScS_rc(r, c));
           const int col = key0 + get<1>(tScS_rc(r, c));
-          const bool visible =
-              col < params.seqlen_k && mask.visible(int64_t{row}, int64_t{col});
-          if (!visible) p = 0.f;
+          const bool visible = col < key_limit && mask.visible(int64_t{row}, int64_t{col});
+          if (!visible) {
+            p = 0.f;
+            ds = 0.f;
+          }
         }
         s(r, c) = p;
-        dp(r, c) = p * (dp(r, c) - delta[r]);
+        dp(r, c) = ds;
       }
     }
     Tensor p_half = convert_fragment<Element>(acc_s);

@@ -213,7 +213,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
   store_output<Element>(
-      acc_o, o_rc, tOcO, tOcO_rc, row_max, row_sum, row_begin, params.seqlen_q, tidx % 4 == 0,
+      acc_o, o_rc, tOcO, tOcO_rc, row_max, row_sum, row_begin, params.seqlen_q, mask,
+      params.seqlen_k, tidx % 4 == 0,
       params.lse + (int64_t(batch) * params.num_heads + head) * params.seqlen_q,
       static_cast<Element*>(params.out) + batch * params.out_batch_stride +
           head * params.out_head_stride,

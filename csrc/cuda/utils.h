@@ -143,24 +143,32 @@ __device__ __forceinline__ void copy_rows(TiledCopy const& tiled_copy, TensorG c
 
 // The forward epilogue's arithmetic, shared by the sm80 and the Hopper
 // kernels: O /= rowsum and lse = max + ln(sum) (natural log; row_max is in the
-// log2 domain) for the query rows this thread holds. A row that saw no key has
-// sum 0 and gets O = 0, lse = -inf. o_rc and c_o_rc view the output
-// accumulator and its (row, col) coordinates as (rows, cols); rows at or past
-// seqlen_q get no lse; writes_lse picks one thread of the quad per row.
-template <int kRows, typename AccORowCol, typename CoordORowCol>
+// log2 domain) for the query rows this thread holds. A row that sees no key
+// (asked of the mask: a NaN score makes the sum NaN, not 0) gets O = 0 and
+// lse = -inf. A row that sees keys but whose softmax is undefined gets O and
+// lse NaN: the sum is NaN (a NaN or +inf score), or 0 (every score -inf: O /
+// sum = 0 / 0). o_rc and c_o_rc view the output accumulator and its (row, col)
+// coordinates as (rows, cols); rows at or past seqlen_q get no lse;
+// writes_lse picks one thread of the quad per row.
+template <int kRows, typename AccORowCol, typename CoordORowCol, typename Mask>
 __device__ __forceinline__ void normalize_output(AccORowCol& o_rc, CoordORowCol const& c_o_rc,
                                                  float const (&row_max)[kRows],
                                                  float const (&row_sum)[kRows], int row_begin,
-                                                 int seqlen_q, bool writes_lse, float* lse_ptr) {
+                                                 int seqlen_q, const Mask& mask, int seqlen_k,
+                                                 bool writes_lse, float* lse_ptr) {
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     const float sum = quad_allreduce(row_sum[r], SumOp{});
-    const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv_sum;
     const int row = row_begin + get<0>(c_o_rc(r, 0));
+    const IndexRange keys = mask.row_keys(row, seqlen_k);
+    const bool no_key = keys.begin >= keys.end;
+    const float inv_sum = 1.f / sum;
+    // A select, not O * 0: O may hold 0 * NaN from a NaN in v.
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) = no_key ? 0.f : o_rc(r, c) * inv_sum;
     if (writes_lse && row < seqlen_q) {
-      lse_ptr[row] = sum > 0.f ? row_max[r] * float(M_LN2) + logf(sum) : -INFINITY;
+      lse_ptr[row] = no_key ? -INFINITY
+                            : (sum == 0.f ? NAN : row_max[r] * float(M_LN2) + logf(sum));
     }
   }
 }
@@ -168,14 +176,16 @@ __device__ __forceinline__ void normalize_output(AccORowCol& o_rc, CoordORowCol 
 // normalize_output, then O stored in half precision straight from registers
 // (rows at or past seqlen_q are not stored).
 template <typename Element, int kRows, typename AccO, typename AccORowCol, typename CoordO,
-          typename CoordORowCol>
+          typename CoordORowCol, typename Mask>
 __device__ __forceinline__ void store_output(AccO const& acc_o, AccORowCol& o_rc,
                                              CoordO const& c_o, CoordORowCol const& c_o_rc,
                                              float const (&row_max)[kRows],
                                              float const (&row_sum)[kRows], int row_begin,
-                                             int seqlen_q, bool writes_lse, float* lse_ptr,
-                                             Element* out_ptr, int64_t out_row_stride) {
-  normalize_output(o_rc, c_o_rc, row_max, row_sum, row_begin, seqlen_q, writes_lse, lse_ptr);
+                                             int seqlen_q, const Mask& mask, int seqlen_k,
+                                             bool writes_lse, float* lse_ptr, Element* out_ptr,
+                                             int64_t out_row_stride) {
+  normalize_output(o_rc, c_o_rc, row_max, row_sum, row_begin, seqlen_q, mask, seqlen_k,
+                   writes_lse, lse_ptr);
   Tensor o = convert_fragment<Element>(acc_o);
   // Fragment elements 2i, 2i+1 are adjacent columns of one row: 4-byte stores.
   CUTE_UNROLL

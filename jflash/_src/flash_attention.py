@@ -157,7 +157,9 @@ def flash_attention(query, key, value, *, causal=False, softmax_scale=None, retu
       value: same shape and dtype as key.
       causal: mask aligned to the bottom-right corner: query i sees key j iff
         j <= i + seq_k - seq_q. A row that sees no key outputs zeros, lse -inf,
-        and gets zero gradients.
+        and gets zero gradients. NaN and Inf propagate as in float32
+        jax.nn.dot_product_attention, through the pairs the mask lets through
+        (README, "NaN and Inf").
       softmax_scale: static scale applied to q.k; default 1/sqrt(head_dim).
       return_lse: also return lse [batch, num_heads, seq_q], float32, natural
         log of the softmax denominator (differentiable).

@@ -62,8 +62,8 @@ struct FwdEpilogueSm90 {
         mO(args_.tma_o.get_tma_tensor(Traits::shape_q(args_.params))) {}
 
   // acc_o: the P V products' accumulator of the tile; softmax: its row max
-  // and sum.
-  template <typename Tile, typename AccO, typename Softmax>
+  // and sum; Mask: the kernel's mask policy (which rows see no key).
+  template <typename Mask, typename Tile, typename AccO, typename Softmax>
   __device__ __forceinline__ void store(const Tile& tile, AccO& acc_o, const Softmax& softmax) {
     const FwdParams& params = args.params;
     Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
@@ -71,7 +71,8 @@ struct FwdEpilogueSm90 {
     float* lse_ptr = params.lse + (int64_t(tile.batch) * params.num_heads + tile.head) * params.seqlen_q;
     if constexpr (Traits::kSmemEpilogue) {
       normalize_output(o_rc, cO_rc, softmax.row_max, softmax.row_sum, tile.row_begin,
-                       params.seqlen_q, tidx % 4 == 0, lse_ptr);
+                       params.seqlen_q, Mask(params.mask), params.seqlen_k, tidx % 4 == 0,
+                       lse_ptr);
       Tensor o = convert_fragment<Element>(acc_o);
       // The warpgroup's previous TMA store must have read the slab before it
       // is overwritten; TMA clips the rows past seqlen_q.
@@ -90,7 +91,8 @@ struct FwdEpilogueSm90 {
       }
     } else {
       store_output<Element>(acc_o, o_rc, cO, cO_rc, softmax.row_max, softmax.row_sum,
-                            tile.row_begin, params.seqlen_q, tidx % 4 == 0, lse_ptr,
+                            tile.row_begin, params.seqlen_q, Mask(params.mask),
+                            params.seqlen_k, tidx % 4 == 0, lse_ptr,
                             static_cast<Element*>(params.out) + tile.batch * params.out_batch_stride +
                                 tile.head * params.out_head_stride,
                             params.out_row_stride);

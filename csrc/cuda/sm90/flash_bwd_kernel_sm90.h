@@ -335,7 +335,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const float row_stat = next_row_stat ? load_row_stat(step + 1) : 0.f;
 
     // P^T = exp2(S^T * scale_log2 - lse_log2); keys outside the band or past
-    // the last key get P = 0.
+    // the last key get P = 0, by a select that a NaN lse or score cannot turn
+    // into NaN. The last key here is the last one that some row sees
+    // (key_limit): a band may let rows past seqlen_q (zeros, lse = +inf) see
+    // keys that no row sees, and their scores are NaN where k is. Masked P is
+    // -0, which exp2 never gives: the dS^T fix-up below finds them by it.
     warpgroup_wait<1>();
     warpgroup_fence_operand(acc_s);
     Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
@@ -346,6 +350,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float lse_log2[kCols];  // of this thread's query rows (columns)
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) lse_log2[c] = smem.lse_log2[buffer][get<1>(cS_rc(0, c))];
+    const int key_limit =
+        static_cast<int>(mask.keys_of_rows(0, params.seqlen_q, params.seqlen_k).end);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
@@ -354,7 +360,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (needs_mask) {
           const int key = key0 + get<0>(cS_rc(r, c));
           const int row = row0 + get<1>(cS_rc(r, c));
-          if (key >= params.seqlen_k || !visible(row, key)) p = 0.f;
+          if (key >= key_limit || !visible(row, key)) p = -0.f;
         }
         s_rc(r, c) = p;
       }
@@ -370,7 +376,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     warpgroup_fence_operand(tdVrP);
     wgmma_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage), acc_dv);
 
-    // dS^T = P^T * (dP^T - delta)
+    // dS^T = P^T * (dP^T - delta); 0 where P was masked (dP - delta may be
+    // NaN there: a NaN in v, or a NaN row's delta), only in masked tiles.
     warpgroup_wait<1>();  // dP^T done; dV may still run
     warpgroup_fence_operand(acc_dp);
     Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
@@ -381,6 +388,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - delta[c]);
+    }
+    if (needs_mask) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dp); ++i) {
+        if (__float_as_uint(acc_s(i)) == 0x80000000u) acc_dp(i) = 0.f;  // P = -0: masked
+      }
     }
     Tensor ds = convert_fragment<Element>(acc_dp);
     // dS^T rows into shared memory for the dQ product, then dK += dS^T Q.

@@ -26,7 +26,7 @@ struct SoftmaxSm90 {
   // The scale, read where it is used (a constant operand in the kernel's
   // parameters) rather than held in a register across the main loop.
   const float& scale_log2;
-  // Masked tiles of a zero scale hold the scaled scores (0 or -inf):
+  // Masked tiles of a zero scale hold the scaled scores (0, NaN or -inf):
   // ScoreMaskSm90 says why.
   const bool zero_scale;
 
