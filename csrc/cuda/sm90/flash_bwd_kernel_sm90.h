@@ -384,15 +384,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float delta[kCols];
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) delta[c] = smem.delta[buffer][get<1>(cS_rc(0, c))];
+    // P's sign bit is set only where masked (-0; exp2 gives +0 and positive
+    // NaNs): spread into a mask, it clears dS there. Unmasked tiles have no
+    // -0, so the mask is all ones; the two integer operations cost less than a
+    // second copy of the loop for masked tiles (which made ptxas spill).
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
-      for (int c = 0; c < kCols; ++c) dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - delta[c]);
-    }
-    if (needs_mask) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_dp); ++i) {
-        if (__float_as_uint(acc_s(i)) == 0x80000000u) acc_dp(i) = 0.f;  // P = -0: masked
+      for (int c = 0; c < kCols; ++c) {
+        const uint32_t keep =
+            ~static_cast<uint32_t>(static_cast<int32_t>(__float_as_uint(s_rc(r, c))) >> 31);
+        dp_rc(r, c) =
+            __uint_as_float(__float_as_uint(s_rc(r, c) * (dp_rc(r, c) - delta[c])) & keep);
       }
     }
     Tensor ds = convert_fragment<Element>(acc_dp);
