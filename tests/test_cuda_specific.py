@@ -284,24 +284,32 @@ def _pytest_in_subprocess(test_name, **env):
     assert " passed" in result.stdout, result.stdout[-2000:]
 
 
-def test_smem_limit_setting_is_checked():
-    """A malformed JFLASH_CUDA_SMEM_LIMIT is an error, not silently ignored."""
-    env = dict(os.environ, JFLASH_CUDA_SMEM_LIMIT="99KB")
+def _assert_setting_rejected(variable, value, setup, call):
+    """In a fresh process with variable=value, `call` (after `setup`) raises an
+    error that names the variable: a malformed setting is never ignored."""
     code = (
-        "import jax.numpy as jnp, jflash\n"
-        "from jflash._src.ffi import cuda_kernel_smem_bytes\n"
-        "assert cuda_kernel_smem_bytes('fwd', jnp.bfloat16, 128, False) == -1\n"
-        "q = jnp.ones((1, 8, 1, 128), jnp.bfloat16)\n"
+        "import jax, jax.numpy as jnp, jflash\n" + setup +
         "try:\n"
-        "    jflash.flash_attention(q, q, q).block_until_ready()\n"
+        f"    ({call}).block_until_ready()\n"
         "except Exception as e:\n"
-        "    assert 'JFLASH_CUDA_SMEM_LIMIT' in str(e), e\n"
+        f"    assert {variable!r} in str(e), e\n"
         "    print('rejected')\n"
     )
+    env = dict(os.environ, **{variable: value})
     result = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "rejected" in result.stdout
+
+
+def test_smem_limit_setting_is_checked():
+    _assert_setting_rejected(
+        "JFLASH_CUDA_SMEM_LIMIT", "99KB",
+        "from jflash._src.ffi import cuda_kernel_smem_bytes\n"
+        "assert cuda_kernel_smem_bytes('fwd', jnp.bfloat16, 128, False) == -1\n"
+        "q = jnp.ones((1, 8, 1, 128), jnp.bfloat16)\n",
+        "jflash.flash_attention(q, q, q)",
+    )
 
 
 def test_repeatable(rng):
@@ -546,19 +554,9 @@ def test_head_splits(splits):
 
 
 def test_head_splits_setting_is_checked():
-    """A malformed JFLASH_CUDA_BWD_HEAD_SPLITS is an error, not silently ignored."""
-    env = dict(os.environ, JFLASH_CUDA_BWD_HEAD_SPLITS="two")
-    code = (
-        "import jax, jax.numpy as jnp, jflash\n"
+    _assert_setting_rejected(
+        "JFLASH_CUDA_BWD_HEAD_SPLITS", "two",
         "q = jnp.ones((1, 8, 2, 128), jnp.bfloat16)\n"
-        "k = jnp.ones((1, 8, 1, 128), jnp.bfloat16)\n"
-        "try:\n"
-        "    jax.grad(lambda q: jflash.flash_attention(q, k, k).sum())(q).block_until_ready()\n"
-        "except Exception as e:\n"
-        "    assert 'JFLASH_CUDA_BWD_HEAD_SPLITS' in str(e), e\n"
-        "    print('rejected')\n"
+        "k = jnp.ones((1, 8, 1, 128), jnp.bfloat16)\n",
+        "jax.grad(lambda q: jflash.flash_attention(q, k, k).sum())(q)",
     )
-    result = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "rejected" in result.stdout

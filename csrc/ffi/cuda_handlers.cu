@@ -79,18 +79,22 @@ FamilyChoice backward_choice() {
   return choice;
 }
 
+// An integer setting from the environment: 0 when unset or empty, the value
+// when it is a whole number in [lo, hi], -1 otherwise (CheckSettings reports it).
+int read_int_setting(const char* variable, long lo, long hi) {
+  const char* env = std::getenv(variable);
+  if (env == nullptr || *env == '\0') return 0;
+  char* end = nullptr;
+  const long value = std::strtol(env, &end, 10);
+  return (*end == '\0' && value >= lo && value <= hi) ? static_cast<int>(value) : -1;
+}
+
 // JFLASH_CUDA_SMEM_LIMIT (bytes) lowers the per-block shared memory the
 // kernels may use below the device's own limit, so that the small-shared-
 // memory tiles of sm86 / sm89 (tile_sizes.h, SmemClass::kSmall) can be tested
 // and timed on larger GPUs. Read once per process; 0 = unset, -1 = invalid.
 int smem_limit_override() {
-  static const int limit = [] {
-    const char* env = std::getenv("JFLASH_CUDA_SMEM_LIMIT");
-    if (env == nullptr || *env == '\0') return 0;
-    char* end = nullptr;
-    const long value = std::strtol(env, &end, 10);
-    return (*end == '\0' && value > 0 && value <= (1 << 30)) ? static_cast<int>(value) : -1;
-  }();
+  static const int limit = read_int_setting("JFLASH_CUDA_SMEM_LIMIT", 1, 1L << 30);
   return limit;
 }
 
@@ -99,13 +103,7 @@ int smem_limit_override() {
 // measurements; unset or 0: the launcher's choice. Read once per process;
 // -1 = invalid.
 int bwd_head_splits_override() {
-  static const int splits = [] {
-    const char* env = std::getenv("JFLASH_CUDA_BWD_HEAD_SPLITS");
-    if (env == nullptr || *env == '\0') return 0;
-    char* end = nullptr;
-    const long value = std::strtol(env, &end, 10);
-    return (*end == '\0' && value >= 0 && value <= 1024) ? static_cast<int>(value) : -1;
-  }();
+  static const int splits = read_int_setting("JFLASH_CUDA_BWD_HEAD_SPLITS", 0, 1024);
   return splits;
 }
 
