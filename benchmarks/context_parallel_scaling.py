@@ -35,6 +35,7 @@ sequence_layout("zigzag", n). Results record the device, jax version and commit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import sys
@@ -129,8 +130,6 @@ def main(argv=None):
         return [(s, lay) for s in args.strategies for lay in layouts]
 
     def context(strategy, layout):
-        import contextlib
-
         stack = contextlib.ExitStack()
         stack.enter_context(jflash.context_parallel_strategy(strategy))
         stack.enter_context(jflash.sequence_layout(layout, n) if layout == "zigzag"
@@ -182,7 +181,7 @@ def main(argv=None):
     # ---------------------------------------------------------------- timing
     rate = args.assumed_tflops * 1e12
 
-    def timed(fn, arrays, flops_per_device, ctx=None, lower_only=False):
+    def timed(fn, arrays, flops_per_device, ctx=None):
         """Per-iteration timing of fn's forward+backward loop; None if the estimate is too long."""
         est = flops_per_device / rate
         iterations = max(1, min(50, round(args.target_s / est)))
@@ -190,8 +189,6 @@ def main(argv=None):
         if estimate_s > args.max_point_s:
             return dict(skipped=f"estimated {estimate_s:.0f} s > --max-point-s {args.max_point_s:g}")
         loop = common.make_loop(fn, "fwdbwd", iterations, feed="out")
-        import contextlib
-
         with ctx or contextlib.nullcontext():
             compiled = loop.lower(*arrays).compile()
         mem = common.memory_stats(compiled)

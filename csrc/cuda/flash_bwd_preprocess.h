@@ -51,6 +51,15 @@ __global__ void flash_bwd_delta_kernel(const __grid_constant__ BwdParams params)
   }
 }
 
+// s * acc stored as four Elements (8 bytes) at dst: the convert kernels' store.
+template <typename Element>
+__device__ __forceinline__ void store_scaled4(Element* dst, float4 acc, float s) {
+  uint2 packed;
+  packed.x = pack_pair(Element(acc.x * s), Element(acc.y * s));
+  packed.y = pack_pair(Element(acc.z * s), Element(acc.w * s));
+  *reinterpret_cast<uint2*>(dst) = packed;
+}
+
 // dq[b, i, h, :] = softmax_scale * dq_accum[b, h, i, :], four values per thread.
 template <typename Element>
 __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams params) {
@@ -64,14 +73,9 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams pa
     const int64_t row = r % params.seqlen_q;
     const int64_t head = (r / params.seqlen_q) % params.num_heads;
     const int64_t batch = r / (int64_t{params.seqlen_q} * params.num_heads);
-    const float4 acc = reinterpret_cast<const float4*>(params.dq_accum)[c];
-    const float s = params.softmax_scale;
     Element* dst = static_cast<Element*>(params.dq) + batch * params.dq_batch_stride +
                    row * params.dq_row_stride + head * params.dq_head_stride + col;
-    uint2 packed;
-    packed.x = pack_pair(Element(acc.x * s), Element(acc.y * s));
-    packed.y = pack_pair(Element(acc.z * s), Element(acc.w * s));
-    *reinterpret_cast<uint2*>(dst) = packed;
+    store_scaled4(dst, reinterpret_cast<const float4*>(params.dq_accum)[c], params.softmax_scale);
   }
 }
 
@@ -105,11 +109,10 @@ struct KeyBlockSteps {
                                            int split = 0, int splits = 1) {
     const int key0 = n_block * kBlockN;
     const int key_end = min(key0 + kBlockN, params.seqlen_k);
-    const IndexRange rows = Mask(params.mask).rows_of_keys(key0, key_end, params.seqlen_q);
-    const int row_lo = static_cast<int>(rows.begin);
-    const int row_hi = static_cast<int>(rows.end);
-    m_block_begin = row_lo / kBlockM;
-    num_m_blocks = row_lo < row_hi ? ceil_div(row_hi, kBlockM) - m_block_begin : 0;
+    const BlockSpan m_blocks =
+        blocks_covering<kBlockM>(Mask(params.mask).rows_of_keys(key0, key_end, params.seqlen_q));
+    m_block_begin = m_blocks.first;
+    num_m_blocks = m_blocks.count;
     const int heads = params.heads_per_kv / splits;
     num_steps = num_m_blocks * heads;
     first_head = kv_head * params.heads_per_kv + split * heads;
@@ -234,16 +237,12 @@ __global__ void flash_bwd_convert_dkv_kernel(const __grid_constant__ BwdParams p
     const bool is_dv = (r / params.seqlen_k) % 2;
     const int64_t head = (r / (2 * int64_t{params.seqlen_k})) % params.num_heads_kv;
     const int64_t batch = r / (2 * int64_t{params.seqlen_k} * params.num_heads_kv);
-    const float4 acc = reinterpret_cast<const float4*>(params.dkv_accum)[c];
-    const float s = is_dv ? 1.f : params.softmax_scale;
     Element* dst = is_dv ? static_cast<Element*>(params.dv) + batch * params.dv_batch_stride +
                                key * params.dv_row_stride + head * params.dv_head_stride
                          : static_cast<Element*>(params.dk) + batch * params.dk_batch_stride +
                                key * params.dk_row_stride + head * params.dk_head_stride;
-    uint2 packed;
-    packed.x = pack_pair(Element(acc.x * s), Element(acc.y * s));
-    packed.y = pack_pair(Element(acc.z * s), Element(acc.w * s));
-    *reinterpret_cast<uint2*>(dst + col) = packed;
+    store_scaled4(dst + col, reinterpret_cast<const float4*>(params.dkv_accum)[c],
+                  is_dv ? 1.f : params.softmax_scale);
   }
 }
 

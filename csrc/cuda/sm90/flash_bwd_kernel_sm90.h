@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // into NaN. The last key here is the last one that some row sees
     // (key_limit): a band may let rows past seqlen_q (zeros, lse = +inf) see
     // keys that no row sees, and their scores are NaN where k is. Masked P is
-    // -0, which exp2 never gives: the dS^T fix-up below finds them by it.
+    // -0, which exp2 never gives: the dS^T loop below finds them by it.
     warpgroup_wait<1>();
     warpgroup_fence_operand(acc_s);
     Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     wgmma_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage), acc_dv);
 
     // dS^T = P^T * (dP^T - delta); 0 where P was masked (dP - delta may be
-    // NaN there: a NaN in v, or a NaN row's delta), only in masked tiles.
+    // NaN there: a NaN in v, or a NaN row's delta).
     warpgroup_wait<1>();  // dP^T done; dV may still run
     warpgroup_fence_operand(acc_dp);
     Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));

@@ -112,12 +112,10 @@ class TileSchedulerSm90 {
     }
     tile.row_begin = tile.m_block * kBlockM;
     tile.row_end = min(tile.row_begin + kBlockM, params_.seqlen_q);
-    const IndexRange keys =
-        Mask(params_.mask).keys_of_rows(tile.row_begin, tile.row_end, params_.seqlen_k);
-    const int key_begin = static_cast<int>(keys.begin);
-    const int key_end = static_cast<int>(keys.end);
-    tile.n_block_begin = key_begin / kBlockN;
-    tile.n_tiles = key_begin < key_end ? cute::ceil_div(key_end, kBlockN) - tile.n_block_begin : 0;
+    const BlockSpan n_blocks = blocks_covering<kBlockN>(
+        Mask(params_.mask).keys_of_rows(tile.row_begin, tile.row_end, params_.seqlen_k));
+    tile.n_block_begin = n_blocks.first;
+    tile.n_tiles = n_blocks.count;
     return tile;
   }
 
@@ -196,12 +194,11 @@ class BwdSchedulerSm90 {
     std::vector<int64_t> visits(n_blocks);
     const Mask mask(params.mask);
     for (int n = 0; n < n_blocks; ++n) {
-      const int64_t key0 = int64_t{n} * kBlockN;
-      const IndexRange rows = mask.rows_of_keys(
-          key0, std::min<int64_t>(key0 + kBlockN, params.seqlen_k), params.seqlen_q);
-      visits[n] = rows.begin < rows.end
-                      ? cute::ceil_div(rows.end, int64_t{kBlockM}) - rows.begin / kBlockM
-                      : 0;
+      const int key0 = n * kBlockN;
+      visits[n] = blocks_covering<kBlockM>(
+                      mask.rows_of_keys(key0, std::min(key0 + kBlockN, params.seqlen_k),
+                                        params.seqlen_q))
+                      .count;
     }
     int best = 1;
     double best_time = 0;

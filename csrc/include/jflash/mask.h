@@ -64,6 +64,21 @@ struct IndexRange {
   int64_t end;
 };
 
+// The blocks of kBlock indices that cover a range of int32 indices: blocks
+// [first, first + count); count 0 for an empty range. (A band's row or key
+// range becomes the kernels' trip counts through it.)
+struct BlockSpan {
+  int first;
+  int count;
+};
+template <int kBlock>
+JFLASH_HOST_DEVICE BlockSpan blocks_covering(IndexRange range) {
+  const int begin = static_cast<int>(range.begin);
+  const int end = static_cast<int>(range.end);
+  const int first = begin / kBlock;
+  return {first, begin < end ? (end + kBlock - 1) / kBlock - first : 0};
+}
+
 // The mask's runtime data in the params structs; kernels read it only through
 // a policy.
 struct MaskParams {
