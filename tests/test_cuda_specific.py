@@ -86,6 +86,12 @@ CASES = [
     (2, 1000, 1025, 8, 2, 128, -1000, 1025 - 1000),
     (1, 513, 385, 8, 2, 64, None, None),
     (1, 700, 700, 4, 1, 128, -150, 40),  # window: each key block visits a few query blocks
+    # Head dim 256: 64 keys per CTA shared by both consumers (P^T and dS^T
+    # through shared memory), one Q/dO buffer and one dQ staging buffer.
+    (2, 1000, 1025, 8, 2, 256, -1000, 1025 - 1000),
+    (1, 513, 385, 8, 1, 256, None, None),  # MQA; a last key block of one key
+    (1, 700, 700, 4, 2, 256, -150, 40),
+    (1, 63, 1, 2, 2, 256, None, None),
 ]
 
 
@@ -98,13 +104,15 @@ def _case_id(case):
 def _run(fn, q, k, v, g_out, g_lse):
     """(out, lse, dq, dk, dv) with the lse cotangent included (masked rows excluded)."""
 
-    def loss(q, k, v):
+    # The cotangents are arguments, not constants baked into the program: XLA
+    # took minutes to compile programs holding tens of MB of constants.
+    def loss(q, k, v, g_out, g_lse):
         out, lse = fn(q, k, v)
         finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
         return jnp.sum(out.astype(jnp.float32) * g_out) + jnp.sum(finite_lse * g_lse), (out, lse)
 
     (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
-        q, k, v
+        q, k, v, g_out, g_lse
     )
     return (out, lse, *grads)
 
@@ -326,7 +334,7 @@ def test_repeatable(rng):
 # Deterministic mode (dq added in key-block order): many key blocks per query
 # block, so that the default order varies between runs; GQA groups walked by
 # one CTA; bands whose first key block differs per query block; the Hopper
-# backward (head dims 64, 128) and the sm80 one (256).
+# backward at head dims 64, 128 and 256 (the sm80 one on other GPUs).
 DETERMINISTIC_CASES = [
     (2, 2048, 2048, 8, 2, 128, None, None),
     (1, 1500, 2000, 8, 8, 128, -1500, 2000 - 1500),  # bottom-right causal
@@ -350,13 +358,13 @@ def test_deterministic_gradients(rng, case):
     v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), jnp.bfloat16)
     g_out = jnp.asarray(rng.standard_normal((b, sq, h, d)), jnp.float32)
 
-    def loss(q, k, v):
+    def loss(q, k, v, g_out):
         return jnp.sum(attention_band(q, k, v, **kw)[0].astype(jnp.float32) * g_out)
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    first = [np.asarray(g) for g in _kernel_call(lambda: grad(q, k, v))]
+    first = [np.asarray(g) for g in _kernel_call(lambda: grad(q, k, v, g_out))]
     for _ in range(8):
-        again = grad(q, k, v)
+        again = grad(q, k, v, g_out)
         for name, a, b_ in zip(("dq", "dk", "dv"), first, again):
             assert np.array_equal(a, np.asarray(b_)), f"{name} differs between runs"
 
@@ -436,19 +444,19 @@ def test_grid_limits_with_sm80_kernels():
 @pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
 def test_hopper_kernels_are_selected():
     """On Hopper the forward and backward run the sm90 kernels wherever they were built."""
-    # The ci subset builds them for bfloat16 head dim 128; "all" for the forward's
-    # head dims 64/128/256 and the backward's 64/128.
+    # The ci subset builds them for bfloat16 head dim 128; "all" for head dims
+    # 64/128/256.
     for banded in (False, True):
         assert cuda_forward_family(jnp.bfloat16, 128, banded) == 90
         assert cuda_backward_family(jnp.bfloat16, 128, banded) == 90
     for dtype in DTYPES:
         for d in (64, 128, 256):
             assert cuda_forward_family(dtype, d, False) in (90, 0)
-        for d in (64, 128):
+        for d in (64, 128, 256):
             assert cuda_backward_family(dtype, d, False) in (90, 0)
         for d in (32, 96, 160):  # head dims the Hopper kernels leave to sm80
             assert cuda_forward_family(dtype, d, False) in (80, 0)
-        for d in (32, 96, 256):
+        for d in (32, 96, 160):
             assert cuda_backward_family(dtype, d, False) in (80, 0)
 
 
@@ -458,6 +466,7 @@ SM80_BACKWARD_CASES = [
     (1, 129, 1000, 4, 2, 128, None, None),
     (1, 300, 300, 2, 1, 128, -70, -5),
     (2, 511, 1537, 4, 1, 64, -511, 1537 - 511),
+    (1, 300, 700, 4, 2, 256, -300, 700 - 300),
 ]
 
 
@@ -532,6 +541,7 @@ HEAD_SPLIT_CASES = [
     (1, 700, 700, 16, 2, 128, -150, 40),
     (3, 1500, 700, 16, 4, 128, -1500, 700 - 1500),
     (2, 300, 129, 4, 1, 64, -300, 129 - 300),
+    (1, 700, 900, 8, 1, 256, -700, 900 - 700),
 ]
 
 
