@@ -36,6 +36,10 @@
 //     delta come through shared memory too, loaded a step ahead by consumer
 //     threads and ordered by the same barrier. Each consumer stages its dQ
 //     slice in one of two shared-memory buffers for its writer.
+//   With Traits::kPdSShared (head dim 256) both consumers share the CTA's 64
+//     keys: S^T and dP^T split by query columns, dV and dK by head-dim
+//     columns, so P^T and dS^T both go through shared memory (a named barrier
+//     after each) and are the A operands of dV and dK from there.
 // docs/hopper_backward.md gives the measurement behind each choice.
 //
 // Deterministic mode (params.dq_semaphore set): each dQ reduce-add waits for
