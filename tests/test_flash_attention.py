@@ -6,6 +6,8 @@ GPU machine.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -274,3 +276,210 @@ def test_deterministic_mode(rng, causal):
     ]
     for name, a, b in zip(("dq", "dk", "dv"), *square):
         assert np.array_equal(np.asarray(a), np.asarray(b)), name
+
+
+# ---------------------------------------------------------------- segment ids
+
+
+def _documents(rng, length, n=None):
+    """Lengths of documents packed into `length` positions: n of them (random
+    cuts), or a first one of length 1 and then random lengths up to 40."""
+    if n is not None:
+        cuts = np.sort(rng.choice(np.arange(1, length), n - 1, replace=False))
+        return list(np.diff([0, *cuts, length]))
+    lengths = [1]
+    while sum(lengths) < length:
+        lengths.append(int(rng.integers(1, 41)))
+    lengths[-1] -= sum(lengths) - length
+    return lengths
+
+
+def _packed_ids(lengths, ids):
+    return np.repeat(np.asarray(ids, np.int32), lengths)
+
+
+def segment_ids(rng, kind, batch, seq_q, seq_k):
+    """(q ids [batch, seq_q], kv ids [batch, seq_k]) int32 of one kind of packing:
+      packed    documents one after the other (the first of length 1), ids 0, 1,
+                2, ...; with seq_q != seq_k each side has its own lengths
+      shuffled  the same with the ids in random order, then 5 positions of
+                padding (id -1 on the query side, -2 on the key side: unseen)
+      random    an id from {3, 7, 9} per position: not contiguous
+      disjoint  random ids from {0..4} on the query side and {2..6} on the key
+                side: some rows see no key, some keys no row
+    """
+    q_ids, kv_ids = [], []
+    for _ in range(batch):
+        if kind in ("packed", "shuffled"):
+            pad = 5 if kind == "shuffled" else 0
+            docs_q = _documents(rng, seq_q - pad)
+            docs_k = docs_q if seq_q == seq_k else _documents(rng, seq_k - pad, len(docs_q))
+            ids = rng.permutation(len(docs_q)) if kind == "shuffled" else np.arange(len(docs_q))
+            q = np.concatenate([_packed_ids(docs_q, ids), np.full(pad, -1)])
+            k = np.concatenate([_packed_ids(docs_k, ids), np.full(pad, -2)])
+        elif kind == "random":
+            q, k = rng.choice([3, 7, 9], seq_q), rng.choice([3, 7, 9], seq_k)
+        else:
+            q, k = rng.integers(0, 5, seq_q), rng.integers(2, 7, seq_k)
+        q_ids.append(q)
+        kv_ids.append(k)
+    return jnp.asarray(np.stack(q_ids), jnp.int32), jnp.asarray(np.stack(kv_ids), jnp.int32)
+
+
+# (batch, seq_q, seq_k, heads, heads_kv, head_dim, causal, window_size, kind):
+# packed causal documents, GQA and MQA, odd lengths both ways, head dims that
+# pad (32, 80), windows, ids out of order, non-contiguous ids, rows and keys
+# with no partner.
+SEGMENT_CASES = [
+    (2, 200, 200, 4, 2, 64, True, None, "packed"),
+    (1, 130, 97, 4, 2, 80, True, None, "packed"),  # bottom-right causal: rows 0..32 see nothing
+    (2, 97, 130, 2, 1, 32, False, None, "random"),
+    (1, 160, 160, 2, 2, 128, True, (20, 0), "shuffled"),
+    (2, 70, 90, 2, 2, 64, False, (10, 10), "disjoint"),
+]
+
+
+def _segment_case_id(case):
+    b, sq, sk, h, hkv, d, causal, window, kind = case
+    return f"{kind}_b{b}_{sq}x{sk}_h{h}_{hkv}_d{d}" + "_causal" * causal + (
+        f"_w{window[0]}_{window[1]}" if window else "")
+
+
+def check_segments_against_reference(rng, case, dtype, fn=None):
+    """out, lse and the gradients of one SEGMENT_CASES case within the 2x rule, and
+    rows that see no key (keys that no row sees) exact: out 0, lse -inf, dq 0 (dk,
+    dv 0). fn(q, k, v, q_ids, kv_ids, causal, window) -> (out, lse): the call
+    under test, flash_attention by default."""
+    b, sq, sk, h, hkv, d, causal, window, kind = case
+    q, k, v = _inputs(rng, (b, sq, sk, h, hkv, d), dtype)
+    q_ids, kv_ids = segment_ids(rng, kind, b, sq, sk)
+    dout = jnp.asarray(rng.standard_normal(q.shape), dtype)
+    dlse = jnp.asarray(rng.standard_normal((b, h, sq)), jnp.float32)
+    scale = 1 / np.sqrt(d)
+    lo, hi = _window_diags(sq, sk, causal, window or (None, None))
+    if fn is None:
+        def fn(q, k, v, q_ids, kv_ids, causal, window):
+            return jflash.flash_attention(q, k, v, causal=causal, window_size=window,
+                                          return_lse=True, q_segment_ids=q_ids,
+                                          kv_segment_ids=kv_ids)
+
+    (out, lse), vjp = jax.vjp(
+        jax.jit(lambda q, k, v: fn(q, k, v, q_ids, kv_ids, causal, window)), q, k, v)
+    grads = vjp((dout, dlse))
+    ids = (np.asarray(q_ids), np.asarray(kv_ids))
+    truth_out, truth_lse, _ = reference64.forward(*_truth_inputs(q, k, v), scale, lo, hi, ids)
+    truth_grads = reference64.backward(*_truth_inputs(q, k, v, dout), np.asarray(dlse), scale,
+                                       lo, hi, ids)
+    plain = jax.jit(lambda q, k, v, dout, dlse: jax.vjp(lambda q, k, v: reference_band(
+        q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi, dtype=plain_dtype(dtype),
+        q_segment_ids=q_ids, kv_segment_ids=kv_ids), q, k, v)[1]((dout, dlse)))
+    plain_out = jax.jit(lambda q, k, v: reference_band(
+        q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi, dtype=plain_dtype(dtype),
+        q_segment_ids=q_ids, kv_segment_ids=kv_ids))(q, k, v)
+    plain_grads = plain(q, k, v, dout, dlse)
+    for name, got, ref, exact in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
+                                     (*plain_out, *plain_grads), (truth_out, truth_lse, *truth_grads)):
+        assert got.dtype == ref.dtype and got.shape == ref.shape, name
+        assert_within_rule(name, got, ref, exact, dtype)
+
+    visible = reference64.visible_mask(sq, sk, lo, hi, *ids)  # [b, sq, sk]
+    no_key, unseen = ~visible.any(2), ~visible.any(1)  # [b, sq], [b, sk]
+    f32 = [np.asarray(jnp.asarray(x, jnp.float32)) for x in (out, lse, *grads)]
+    assert np.all(f32[0][no_key] == 0) and np.all(f32[2][no_key] == 0)
+    assert np.all(np.isneginf(f32[1].transpose(0, 2, 1)[no_key]))
+    assert np.all(np.isfinite(f32[1].transpose(0, 2, 1)[~no_key]))
+    assert np.all(f32[3][unseen] == 0) and np.all(f32[4][unseen] == 0)
+    return no_key.any(), unseen.any()
+
+
+@pytest.mark.parametrize("case", SEGMENT_CASES, ids=_segment_case_id)
+def test_segment_ids_against_reference(rng, case):
+    no_key, _ = check_segments_against_reference(rng, case, jnp.bfloat16)
+    if case[-1] == "disjoint":
+        assert no_key  # the case exercises rows that see nothing
+
+
+def test_segment_ids_float32(rng):
+    check_segments_against_reference(rng, SEGMENT_CASES[0], jnp.float32)
+
+
+def test_packed_documents_equal_separate_documents(rng):
+    """Causal documents packed one after the other attend as if alone: out, lse
+    and the gradients of each document equal its own flash_attention call."""
+    lengths = [1, 37, 64, 5, 93]
+    seq = sum(lengths)
+    q, k, v = _inputs(rng, (1, seq, seq, 4, 2, 64), jnp.float32)
+    dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    ids = jnp.asarray(_packed_ids(lengths, np.arange(len(lengths)) + 10))[None]
+
+    def packed(q, k, v):
+        return jflash.flash_attention(q, k, v, causal=True, return_lse=True,
+                                      q_segment_ids=ids, kv_segment_ids=ids)
+
+    (out, lse), vjp = jax.vjp(packed, q, k, v)
+    grads = vjp((dout, jnp.zeros(lse.shape)))
+    start = 0
+    for n in lengths:
+        part = slice(start, start + n)
+        (o, l), vjp_part = jax.vjp(
+            lambda q, k, v: jflash.flash_attention(q, k, v, causal=True, return_lse=True),
+            q[:, part], k[:, part], v[:, part])
+        g = vjp_part((dout[:, part], jnp.zeros(l.shape)))
+        tol = dict(rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(out[:, part], o, **tol)
+        np.testing.assert_allclose(lse[:, :, part], l, **tol)
+        for a, b in zip(grads, g):
+            np.testing.assert_allclose(a[:, part], b, **tol)
+        start += n
+
+
+def test_segment_blocks_match_brute_force(rng):
+    """The kernels' block summaries: min and max id, and the hull of the other
+    side's positions that hold one of the block's ids, for every kind of ids."""
+    from jflash._src.masks import segment_blocks
+
+    for kind in ("packed", "shuffled", "random", "disjoint"):
+        q_ids, kv_ids = segment_ids(rng, kind, 2, 75, 61)
+        got = np.asarray(segment_blocks(q_ids, kv_ids, 32))
+        assert got.shape == (2, 3, 4) and got.dtype == np.int32
+        for b in range(2):
+            for blk in range(3):
+                block = np.asarray(q_ids[b, blk * 32:(blk + 1) * 32])
+                where = np.nonzero(np.isin(np.asarray(kv_ids[b]), block))[0]
+                assert got[b, blk, 0] == block.min() and got[b, blk, 1] == block.max()
+                if where.size:
+                    assert (got[b, blk, 2], got[b, blk, 3]) == (where.min(), where.max() + 1)
+                else:
+                    assert got[b, blk, 2] >= got[b, blk, 3]
+
+
+def test_segment_ids_transforms(rng):
+    """vmap over an extra axis is the per-slice call (bitwise on CPU); gradients
+    under jit and deterministic=True agree; the ids get no gradient; all ids
+    equal is the call without them (within the rule)."""
+    q, k, v = _inputs(rng, (2, 50, 60, 2, 1, 64), jnp.float32)
+    q_ids, kv_ids = segment_ids(rng, "random", 2, 50, 60)
+
+    def attend(q, k, v, q_ids, kv_ids, deterministic=False):
+        return jflash.flash_attention(q, k, v, causal=True, q_segment_ids=q_ids,
+                                      kv_segment_ids=kv_ids, deterministic=deterministic)
+
+    stack = lambda x: jnp.stack([x, x[::-1]])  # noqa: E731
+    batched = jax.jit(jax.vmap(attend))(stack(q), stack(k), stack(v), stack(q_ids), stack(kv_ids))
+    for i, flip in enumerate((lambda x: x, lambda x: x[::-1])):
+        one = attend(flip(q), flip(k), flip(v), flip(q_ids), flip(kv_ids))
+        np.testing.assert_array_equal(np.asarray(batched[i]), np.asarray(one))
+
+    def loss(q, k, v, deterministic=False):
+        return jnp.sum(attend(q, k, v, q_ids, kv_ids, deterministic) ** 2)
+
+    g1 = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    g2 = jax.grad(functools.partial(loss, deterministic=True), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g1, g2):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Integer inputs: jax.grad refuses them, as for any integer argument.
+    with pytest.raises(TypeError, match="integer"):
+        jax.grad(lambda ids: jnp.sum(attend(q, k, v, ids, kv_ids)))(q_ids)
+    same = attend(q, k, v, jnp.zeros_like(q_ids), jnp.zeros_like(kv_ids))
+    plain = jflash.flash_attention(q, k, v, causal=True)
+    np.testing.assert_allclose(np.asarray(same), np.asarray(plain), rtol=1e-5, atol=1e-6)

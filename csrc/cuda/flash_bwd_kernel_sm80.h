@@ -49,8 +49,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   const int key0 = n_block * kBlockN;
   // The (query head, query block) pairs whose rows see this CTA's keys.
-  const Mask mask(params.mask);
-  const KeyBlockSteps<kBlockM, kBlockN, Mask> steps(params, n_block, kv_head);
+  const Mask mask(params.mask, batch);
+  const KeyBlockSteps<kBlockM, kBlockN, Mask> steps(params, n_block, kv_head, batch);
   const int num_steps = steps.num_steps;
   static_assert(kBlockM >= kDqSemaphoreRows);  // deterministic mode's counters fit
 
@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // Deterministic mode: the earlier key blocks of this query block add first.
     if (steps.ordered()) {
       if (tidx == 0) {
-        dq_semaphore_wait(step_dq_semaphore(step), n_block - steps.first_key_block(params, m_block));
+        dq_semaphore_wait(step_dq_semaphore(step), n_block - steps.first_key_block(params, m_block, batch));
       }
       __syncthreads();
     }

@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Query rows [row_begin, row_end) of this CTA and the key blocks they can see.
   const int row_begin = m_block * kBlockM;
   const int row_end = min(row_begin + kBlockM, params.seqlen_q);
-  const Mask mask(params.mask);
+  const Mask mask(params.mask, batch);
   const IndexRange keys = mask.keys_of_rows(row_begin, row_end, params.seqlen_k);
   const int key_begin = static_cast<int>(keys.begin);
   const int key_end = static_cast<int>(keys.end);
