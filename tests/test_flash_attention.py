@@ -15,7 +15,8 @@ import pytest
 
 import jflash
 import reference64
-from checks import assert_within_rule, plain_dtype
+from checks import assert_within_rule, float64_inputs, plain_dtype, qkv_inputs, window_diags
+from segments import case_id, check_against_reference, packed_ids, segment_ids
 from jflash._src.flash_attention import attention_band
 from jflash._src.masks import causal_band
 from jflash.reference import attention_band as reference_band
@@ -36,23 +37,11 @@ SHAPES = [
 ]
 
 
-def _inputs(rng, shape, dtype):
-    batch, seq_q, seq_k, heads, heads_kv, head_dim = shape
-    q = rng.standard_normal((batch, seq_q, heads, head_dim))
-    k = rng.standard_normal((batch, seq_k, heads_kv, head_dim))
-    v = rng.standard_normal((batch, seq_k, heads_kv, head_dim))
-    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
-
-
-def _truth_inputs(*arrays):
-    return [np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in arrays]
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_forward(rng, shape, causal, dtype):
-    q, k, v = _inputs(rng, shape, dtype)
+    q, k, v = qkv_inputs(rng, shape, dtype)
     out, lse = jax.jit(
         lambda q, k, v: jflash.flash_attention(q, k, v, causal=causal, return_lse=True)
     )(q, k, v)
@@ -61,7 +50,7 @@ def test_forward(rng, shape, causal, dtype):
 
     scale = 1 / np.sqrt(shape[5])
     lo, hi = causal_band(shape[1], shape[2], causal)
-    truth_out, truth_lse, _ = reference64.forward(*_truth_inputs(q, k, v), scale, lo, hi)
+    truth_out, truth_lse, _ = reference64.forward(*float64_inputs(q, k, v), scale, lo, hi)
     plain_out, plain_lse = reference_band(
         q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi, dtype=plain_dtype(dtype)
     )
@@ -75,7 +64,7 @@ def test_forward(rng, shape, causal, dtype):
 def test_backward(rng, shape, causal, dtype):
     """Gradients of (out, lse) with random cotangents for both: dlse exercises
     the delta - dlse term that lse-combining callers (ring attention) rely on."""
-    q, k, v = _inputs(rng, shape, dtype)
+    q, k, v = qkv_inputs(rng, shape, dtype)
     dout = jnp.asarray(rng.standard_normal(q.shape), dtype)
     dlse = jnp.asarray(rng.standard_normal((shape[0], shape[3], shape[1])), jnp.float32)
     scale = 1 / np.sqrt(shape[5])
@@ -95,7 +84,7 @@ def test_backward(rng, shape, causal, dtype):
 
     kernel = jax.jit(lambda *args: grads(kernel_fn, *args))(q, k, v, dout, dlse)
     plain = grads(plain_fn, q, k, v, dout, dlse)
-    truth = reference64.backward(*_truth_inputs(q, k, v, dout), np.asarray(dlse), scale, lo, hi)
+    truth = reference64.backward(*float64_inputs(q, k, v, dout), np.asarray(dlse), scale, lo, hi)
     for name, got, ref, exact in zip(("dq", "dk", "dv"), kernel, plain, truth):
         assert got.dtype == q.dtype and got.shape == ref.shape
         assert_within_rule(name, got, ref, exact, dtype)
@@ -108,7 +97,7 @@ def test_fully_masked_rows_are_zero_not_nan(rng, dtype):
     causal with seq_q > seq_k (bottom-right) masks rows 0..seq_q-seq_k-1 fully;
     a band with diag_hi = -5 masks rows 0..4 in a square problem.
     """
-    q, k, v = _inputs(rng, (2, 40, 23, 4, 2, 64), dtype)
+    q, k, v = qkv_inputs(rng, (2, 40, 23, 4, 2, 64), dtype)
     out, lse = jflash.flash_attention(q, k, v, causal=True, return_lse=True)
     masked = 40 - 23
     assert np.all(np.asarray(out[:, :masked], np.float32) == 0)
@@ -119,7 +108,7 @@ def test_fully_masked_rows_are_zero_not_nan(rng, dtype):
         out, lse = attention_band(q, k, v, softmax_scale=0.125, diag_lo=-40, diag_hi=-5)
         return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
 
-    q2, k2, v2 = _inputs(rng, (1, 31, 31, 2, 2, 64), dtype)
+    q2, k2, v2 = qkv_inputs(rng, (1, 31, 31, 2, 2, 64), dtype)
     out2, lse2 = attention_band(q2, k2, v2, softmax_scale=0.125, diag_lo=-31, diag_hi=-5)
     assert np.all(np.asarray(out2[:, :5], np.float32) == 0)
     assert np.all(np.isneginf(np.asarray(lse2[:, :, :5])))
@@ -134,10 +123,10 @@ def test_fully_masked_rows_are_zero_not_nan(rng, dtype):
 
 def test_band_mask_matches_reference(rng):
     """A sliding window (both band edges) against float64 truth."""
-    q, k, v = _inputs(rng, (1, 150, 130, 4, 2, 64), jnp.bfloat16)
+    q, k, v = qkv_inputs(rng, (1, 150, 130, 4, 2, 64), jnp.bfloat16)
     lo, hi = -37, 11
     out, lse = attention_band(q, k, v, softmax_scale=0.1, diag_lo=lo, diag_hi=hi)
-    truth_out, truth_lse, _ = reference64.forward(*_truth_inputs(q, k, v), 0.1, lo, hi)
+    truth_out, truth_lse, _ = reference64.forward(*float64_inputs(q, k, v), 0.1, lo, hi)
     plain_out, plain_lse = reference_band(
         q, k, v, softmax_scale=0.1, diag_lo=lo, diag_hi=hi, dtype=jnp.bfloat16
     )
@@ -146,12 +135,12 @@ def test_band_mask_matches_reference(rng):
 
 
 def test_softmax_scale_and_default(rng):
-    q, k, v = _inputs(rng, (1, 70, 90, 2, 2, 64), jnp.float32)
+    q, k, v = qkv_inputs(rng, (1, 70, 90, 2, 2, 64), jnp.float32)
     out_default = jflash.flash_attention(q, k, v)
     out_explicit = jflash.flash_attention(q, k, v, softmax_scale=1 / 8.0)
     np.testing.assert_array_equal(np.asarray(out_default), np.asarray(out_explicit))
     out_scaled = jflash.flash_attention(q, k, v, softmax_scale=0.37)
-    truth, _, _ = reference64.forward(*_truth_inputs(q, k, v), 0.37, -70, 90)
+    truth, _, _ = reference64.forward(*float64_inputs(q, k, v), 0.37, -70, 90)
     plain = reference_band(q, k, v, softmax_scale=0.37, diag_lo=-70, diag_hi=90,
                            dtype=plain_dtype(jnp.float32))[0]
     assert_within_rule("out", out_scaled, plain, truth, jnp.float32)
@@ -159,9 +148,9 @@ def test_softmax_scale_and_default(rng):
 
 def test_reference_public_api_matches_truth(rng):
     """jflash.reference.attention documents the semantics; check it too."""
-    q, k, v = _inputs(rng, (2, 37, 19, 4, 2, 32), jnp.float32)
+    q, k, v = qkv_inputs(rng, (2, 37, 19, 4, 2, 32), jnp.float32)
     out, lse = jflash.reference.attention(q, k, v, causal=True, return_lse=True)
-    truth_out, truth_lse, _ = reference64.forward(*_truth_inputs(q, k, v), 32**-0.5, -37, 19 - 37)
+    truth_out, truth_lse, _ = reference64.forward(*float64_inputs(q, k, v), 32**-0.5, -37, 19 - 37)
     np.testing.assert_allclose(np.asarray(out), truth_out, atol=1e-5)
     np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(truth_lse))
 
@@ -179,34 +168,23 @@ WINDOW_CASES = [
 ]
 
 
-def _window_diags(seq_q, seq_k, causal, window_size):
-    """The window's band written out from the documented rule, independent of jflash."""
-    left, right = (-1 if s is None else s for s in window_size)
-    offset = seq_k - seq_q
-    lo = offset - left if left >= 0 else -seq_q
-    hi = offset + right if right >= 0 else seq_k
-    if causal:
-        hi = min(hi, offset)
-    return lo, hi
-
-
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"{c[1]}x{c[2]}_c{int(c[6])}_w{c[7]}")
 def test_window_size_against_reference(rng, case):
     *shape, causal, window = case
     dtype = jnp.bfloat16
-    q, k, v = _inputs(rng, shape, dtype)
+    q, k, v = qkv_inputs(rng, shape, dtype)
     dout = jnp.asarray(rng.standard_normal(q.shape), dtype)
     dlse = jnp.asarray(rng.standard_normal((shape[0], shape[3], shape[1])), jnp.float32)
     scale = 1 / np.sqrt(shape[5])
-    lo, hi = _window_diags(shape[1], shape[2], causal, window)
+    lo, hi = window_diags(shape[1], shape[2], causal, window)
 
     def kernel_fn(q, k, v):
         return jflash.flash_attention(q, k, v, causal=causal, window_size=window, return_lse=True)
 
     (out, lse), vjp = jax.vjp(jax.jit(kernel_fn), q, k, v)
     grads = vjp((dout, dlse))
-    truth_out, truth_lse, _ = reference64.forward(*_truth_inputs(q, k, v), scale, lo, hi)
-    truth_grads = reference64.backward(*_truth_inputs(q, k, v, dout), np.asarray(dlse), scale, lo, hi)
+    truth_out, truth_lse, _ = reference64.forward(*float64_inputs(q, k, v), scale, lo, hi)
+    truth_grads = reference64.backward(*float64_inputs(q, k, v, dout), np.asarray(dlse), scale, lo, hi)
     plain = jax.vjp(lambda q, k, v: reference_band(q, k, v, softmax_scale=scale, diag_lo=lo,
                                                    diag_hi=hi, dtype=plain_dtype(dtype)), q, k, v)
     plain_out, plain_lse = plain[0]
@@ -225,7 +203,7 @@ def test_window_size_against_reference(rng, case):
 def test_window_size_matches_jax_nn(rng, window):
     """Square problems, where bottom-right and top-left alignment agree: the
     window of jax.nn.dot_product_attention's local_window_size."""
-    q, k, v = _inputs(rng, (2, 60, 60, 4, 2, 64), jnp.float32)
+    q, k, v = qkv_inputs(rng, (2, 60, 60, 4, 2, 64), jnp.float32)
     got = jflash.flash_attention(q, k, v, window_size=window)
     want = jax.nn.dot_product_attention(q, k, v, local_window_size=window, implementation="xla")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
@@ -238,7 +216,7 @@ def test_deterministic_mode(rng, causal):
     the drop-in, to flash_attention's. Bitwise repeatability on GPU is
     test_cuda_specific.py's test_deterministic_gradients."""
     shape = (2, 300, 500, 4, 2, 64)
-    q, k, v = _inputs(rng, shape, jnp.bfloat16)
+    q, k, v = qkv_inputs(rng, shape, jnp.bfloat16)
     dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
     scale = 1 / np.sqrt(shape[5])
 
@@ -252,7 +230,7 @@ def test_deterministic_mode(rng, causal):
     )
     lo, hi = causal_band(shape[1], shape[2], causal)
     no_dlse = np.zeros((shape[0], shape[3], shape[1]))
-    truth = reference64.backward(*_truth_inputs(q, k, v, dout), no_dlse, scale, lo, hi)
+    truth = reference64.backward(*float64_inputs(q, k, v, dout), no_dlse, scale, lo, hi)
     plain = grads(
         lambda q, k, v: reference_band(
             q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi, dtype=plain_dtype(jnp.bfloat16)
@@ -279,52 +257,7 @@ def test_deterministic_mode(rng, causal):
 
 
 # ---------------------------------------------------------------- segment ids
-
-
-def _documents(rng, length, n=None):
-    """Lengths of documents packed into `length` positions: n of them (random
-    cuts), or a first one of length 1 and then random lengths up to 40."""
-    if n is not None:
-        cuts = np.sort(rng.choice(np.arange(1, length), n - 1, replace=False))
-        return list(np.diff([0, *cuts, length]))
-    lengths = [1]
-    while sum(lengths) < length:
-        lengths.append(int(rng.integers(1, 41)))
-    lengths[-1] -= sum(lengths) - length
-    return lengths
-
-
-def _packed_ids(lengths, ids):
-    return np.repeat(np.asarray(ids, np.int32), lengths)
-
-
-def segment_ids(rng, kind, batch, seq_q, seq_k):
-    """(q ids [batch, seq_q], kv ids [batch, seq_k]) int32 of one kind of packing:
-      packed    documents one after the other (the first of length 1), ids 0, 1,
-                2, ...; with seq_q != seq_k each side has its own lengths
-      shuffled  the same with the ids in random order, then 5 positions of
-                padding (id -1 on the query side, -2 on the key side: unseen)
-      random    an id from {3, 7, 9} per position: not contiguous
-      disjoint  random ids from {0..4} on the query side and {2..6} on the key
-                side: some rows see no key, some keys no row
-    """
-    q_ids, kv_ids = [], []
-    for _ in range(batch):
-        if kind in ("packed", "shuffled"):
-            pad = 5 if kind == "shuffled" else 0
-            docs_q = _documents(rng, seq_q - pad)
-            docs_k = docs_q if seq_q == seq_k else _documents(rng, seq_k - pad, len(docs_q))
-            ids = rng.permutation(len(docs_q)) if kind == "shuffled" else np.arange(len(docs_q))
-            q = np.concatenate([_packed_ids(docs_q, ids), np.full(pad, -1)])
-            k = np.concatenate([_packed_ids(docs_k, ids), np.full(pad, -2)])
-        elif kind == "random":
-            q, k = rng.choice([3, 7, 9], seq_q), rng.choice([3, 7, 9], seq_k)
-        else:
-            q, k = rng.integers(0, 5, seq_q), rng.integers(2, 7, seq_k)
-        q_ids.append(q)
-        kv_ids.append(k)
-    return jnp.asarray(np.stack(q_ids), jnp.int32), jnp.asarray(np.stack(kv_ids), jnp.int32)
-
+# (segments.py: the ids of each kind of packing and the check of one case)
 
 # (batch, seq_q, seq_k, heads, heads_kv, head_dim, causal, window_size, kind):
 # packed causal documents, GQA and MQA, odd lengths both ways, head dims that
@@ -339,68 +272,15 @@ SEGMENT_CASES = [
 ]
 
 
-def _segment_case_id(case):
-    b, sq, sk, h, hkv, d, causal, window, kind = case
-    return f"{kind}_b{b}_{sq}x{sk}_h{h}_{hkv}_d{d}" + "_causal" * causal + (
-        f"_w{window[0]}_{window[1]}" if window else "")
-
-
-def check_segments_against_reference(rng, case, dtype, fn=None):
-    """out, lse and the gradients of one SEGMENT_CASES case within the 2x rule, and
-    rows that see no key (keys that no row sees) exact: out 0, lse -inf, dq 0 (dk,
-    dv 0). fn(q, k, v, q_ids, kv_ids, causal, window) -> (out, lse): the call
-    under test, flash_attention by default."""
-    b, sq, sk, h, hkv, d, causal, window, kind = case
-    q, k, v = _inputs(rng, (b, sq, sk, h, hkv, d), dtype)
-    q_ids, kv_ids = segment_ids(rng, kind, b, sq, sk)
-    dout = jnp.asarray(rng.standard_normal(q.shape), dtype)
-    dlse = jnp.asarray(rng.standard_normal((b, h, sq)), jnp.float32)
-    scale = 1 / np.sqrt(d)
-    lo, hi = _window_diags(sq, sk, causal, window or (None, None))
-    if fn is None:
-        def fn(q, k, v, q_ids, kv_ids, causal, window):
-            return jflash.flash_attention(q, k, v, causal=causal, window_size=window,
-                                          return_lse=True, q_segment_ids=q_ids,
-                                          kv_segment_ids=kv_ids)
-
-    (out, lse), vjp = jax.vjp(
-        jax.jit(lambda q, k, v: fn(q, k, v, q_ids, kv_ids, causal, window)), q, k, v)
-    grads = vjp((dout, dlse))
-    ids = (np.asarray(q_ids), np.asarray(kv_ids))
-    truth_out, truth_lse, _ = reference64.forward(*_truth_inputs(q, k, v), scale, lo, hi, ids)
-    truth_grads = reference64.backward(*_truth_inputs(q, k, v, dout), np.asarray(dlse), scale,
-                                       lo, hi, ids)
-    plain = jax.jit(lambda q, k, v, dout, dlse: jax.vjp(lambda q, k, v: reference_band(
-        q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi, dtype=plain_dtype(dtype),
-        q_segment_ids=q_ids, kv_segment_ids=kv_ids), q, k, v)[1]((dout, dlse)))
-    plain_out = jax.jit(lambda q, k, v: reference_band(
-        q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi, dtype=plain_dtype(dtype),
-        q_segment_ids=q_ids, kv_segment_ids=kv_ids))(q, k, v)
-    plain_grads = plain(q, k, v, dout, dlse)
-    for name, got, ref, exact in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
-                                     (*plain_out, *plain_grads), (truth_out, truth_lse, *truth_grads)):
-        assert got.dtype == ref.dtype and got.shape == ref.shape, name
-        assert_within_rule(name, got, ref, exact, dtype)
-
-    visible = reference64.visible_mask(sq, sk, lo, hi, *ids)  # [b, sq, sk]
-    no_key, unseen = ~visible.any(2), ~visible.any(1)  # [b, sq], [b, sk]
-    f32 = [np.asarray(jnp.asarray(x, jnp.float32)) for x in (out, lse, *grads)]
-    assert np.all(f32[0][no_key] == 0) and np.all(f32[2][no_key] == 0)
-    assert np.all(np.isneginf(f32[1].transpose(0, 2, 1)[no_key]))
-    assert np.all(np.isfinite(f32[1].transpose(0, 2, 1)[~no_key]))
-    assert np.all(f32[3][unseen] == 0) and np.all(f32[4][unseen] == 0)
-    return no_key.any(), unseen.any()
-
-
-@pytest.mark.parametrize("case", SEGMENT_CASES, ids=_segment_case_id)
+@pytest.mark.parametrize("case", SEGMENT_CASES, ids=case_id)
 def test_segment_ids_against_reference(rng, case):
-    no_key, _ = check_segments_against_reference(rng, case, jnp.bfloat16)
+    no_key, _ = check_against_reference(rng, case, jnp.bfloat16)
     if case[-1] == "disjoint":
         assert no_key  # the case exercises rows that see nothing
 
 
 def test_segment_ids_float32(rng):
-    check_segments_against_reference(rng, SEGMENT_CASES[0], jnp.float32)
+    check_against_reference(rng, SEGMENT_CASES[0], jnp.float32)
 
 
 def test_packed_documents_equal_separate_documents(rng):
@@ -408,9 +288,9 @@ def test_packed_documents_equal_separate_documents(rng):
     and the gradients of each document equal its own flash_attention call."""
     lengths = [1, 37, 64, 5, 93]
     seq = sum(lengths)
-    q, k, v = _inputs(rng, (1, seq, seq, 4, 2, 64), jnp.float32)
+    q, k, v = qkv_inputs(rng, (1, seq, seq, 4, 2, 64), jnp.float32)
     dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
-    ids = jnp.asarray(_packed_ids(lengths, np.arange(len(lengths)) + 10))[None]
+    ids = jnp.asarray(packed_ids(lengths, np.arange(len(lengths)) + 10))[None]
 
     def packed(q, k, v):
         return jflash.flash_attention(q, k, v, causal=True, return_lse=True,
@@ -457,7 +337,7 @@ def test_segment_ids_transforms(rng):
     """vmap over an extra axis is the per-slice call (bitwise on CPU); gradients
     under jit and deterministic=True agree; the ids get no gradient; all ids
     equal is the call without them (within the rule)."""
-    q, k, v = _inputs(rng, (2, 50, 60, 2, 1, 64), jnp.float32)
+    q, k, v = qkv_inputs(rng, (2, 50, 60, 2, 1, 64), jnp.float32)
     q_ids, kv_ids = segment_ids(rng, "random", 2, 50, 60)
 
     def attend(q, k, v, q_ids, kv_ids, deterministic=False):
