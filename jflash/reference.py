@@ -32,11 +32,6 @@ from jflash._src.flash_attention import resolve_arguments
 _einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 
 
-def _visible(band):
-    """[seq_q, seq_k] bool (jnp) of band = (seq_q, seq_k, diag_lo, diag_hi)."""
-    return masks.visible(*band)
-
-
 def _nonfinite_terms(w, x, visible, spec):
     """The terms of the visible pairs whose x is NaN or +-inf, summed by IEEE
     rules: NaN if any is NaN (x NaN, or inf times a 0 weight) or both signs of
@@ -58,8 +53,10 @@ def _nonfinite_terms(w, x, visible, spec):
                      jnp.where(pos_inf, jnp.inf, jnp.where(neg_inf, -jnp.inf, 0.0)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _visible_sum(w, x, band, over_keys):
+# visible, below: the mask as a bool array [batch or 1, 1, seq_q, seq_k]
+# (broadcast over heads), True where query i sees key j.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _visible_sum(w, x, visible, over_keys):
     """The sum over the visible pairs of w times x, masked pairs skipped.
 
     over_keys False: y[b, i, h] = sum_j w[b, h, i, j] x[b, j, h]   (P V, dS K)
@@ -70,11 +67,10 @@ def _visible_sum(w, x, band, over_keys):
     through 0 * NaN. Its gradient skips masked pairs alike.
     """
     spec = "bhij,bihd->bjhd" if over_keys else "bhij,bjhd->bihd"
-    visible = _visible(band)
     w = jnp.where(visible, w, 0)
     finite = jnp.isfinite(x)
     y = _einsum(spec, w, jnp.where(finite, x, 0))
-    pairs = visible.T if over_keys else visible
+    pairs = jnp.swapaxes(visible, -1, -2) if over_keys else visible
     w_pairs = jnp.swapaxes(w, -1, -2) if over_keys else w
     extra = jax.lax.cond(
         jnp.all(finite),
@@ -84,47 +80,51 @@ def _visible_sum(w, x, band, over_keys):
     return y + extra.astype(y.dtype)
 
 
-def _visible_sum_fwd(w, x, band, over_keys):
-    return _visible_sum(w, x, band, over_keys), (w, x)
+def _visible_sum_fwd(w, x, visible, over_keys):
+    return _visible_sum(w, x, visible, over_keys), (w, x, visible)
 
 
-def _visible_sum_bwd(band, over_keys, residuals, g):
-    w, x = residuals
+def _visible_sum_bwd(over_keys, residuals, g):
+    w, x, visible = residuals
     # dw[i, j] = g . x over head_dim for visible pairs (over_keys: g at key j,
     # x at row i); dx is a visible sum of w and g the other way round.
     dw_spec = "bjhd,bihd->bhij" if over_keys else "bihd,bjhd->bhij"
-    dw = jnp.where(_visible(band), _einsum(dw_spec, g, x), 0).astype(w.dtype)
-    dx = _visible_sum(w, g, band, not over_keys).astype(x.dtype)
-    return dw, dx
+    dw = jnp.where(visible, _einsum(dw_spec, g, x), 0).astype(w.dtype)
+    dx = _visible_sum(w, g, visible, not over_keys).astype(x.dtype)
+    return dw, dx, None
 
 
 _visible_sum.defvjp(_visible_sum_fwd, _visible_sum_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _scores(q, k, band):
+@jax.custom_vjp
+def _scores(q, k, visible):
     """S = Q K^T [b, h, i, j]; its gradient skips masked pairs (dQ = dS K and
     dK = dS^T Q as visible sums), so a NaN in k (q) does not reach the rows
     (keys) that do not see it."""
+    del visible
     return _einsum("bqhd,bkhd->bhqk", q, k)
 
 
-def _scores_fwd(q, k, band):
-    return _scores(q, k, band), (q, k)
+def _scores_fwd(q, k, visible):
+    return _scores(q, k, visible), (q, k, visible)
 
 
-def _scores_bwd(band, residuals, ds):
-    q, k = residuals
+def _scores_bwd(residuals, ds):
+    q, k, visible = residuals
     ds = ds.astype(q.dtype)
-    return (_visible_sum(ds, k, band, False).astype(q.dtype),
-            _visible_sum(ds, q, band, True).astype(k.dtype))
+    return (_visible_sum(ds, k, visible, False).astype(q.dtype),
+            _visible_sum(ds, q, visible, True).astype(k.dtype), None)
 
 
 _scores.defvjp(_scores_fwd, _scores_bwd)
 
 
-def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, dtype=jnp.float32):
-    """(out, lse) with key j visible from query i iff diag_lo <= j - i <= diag_hi.
+def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, dtype=jnp.float32,
+                   q_segment_ids=None, kv_segment_ids=None):
+    """(out, lse) with key j visible from query i iff diag_lo <= j - i <= diag_hi
+    and, with segment ids ([batch, seq_q], [batch, seq_k]), q_segment_ids[b, i] ==
+    kv_segment_ids[b, j].
 
     dtype is the compute dtype: float32 gives the reference; the input's own
     dtype gives the "same-dtype plain computation" of FlashAttention's test rule.
@@ -134,14 +134,14 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, dtype=
     batch, seqlen_q, num_heads, _ = query.shape
     seqlen_k, num_heads_kv = key.shape[1], key.shape[2]
     diag_lo, diag_hi = masks.clamp_band(seqlen_q, seqlen_k, diag_lo, diag_hi)
-    band = (seqlen_q, seqlen_k, diag_lo, diag_hi)
     group = num_heads // num_heads_kv
     q = query.astype(dtype)
     k = jnp.repeat(key.astype(dtype), group, axis=2)  # kv head h // group serves query head h
     v = jnp.repeat(value.astype(dtype), group, axis=2)
-    visible = _visible(band)
-    no_key = jnp.asarray(masks.rows_without_keys(*band))[:, None]  # [seq_q, 1]
-    scores = _scores(q, k, band) * jnp.asarray(softmax_scale, dtype)
+    visible = masks.visible(seqlen_q, seqlen_k, diag_lo, diag_hi, q_segment_ids, kv_segment_ids)
+    visible = jnp.reshape(visible, (-1, 1, seqlen_q, seqlen_k))  # [batch or 1, 1, sq, sk]
+    no_key = ~jnp.any(visible, axis=-1, keepdims=True)  # rows that see no key
+    scores = _scores(q, k, visible) * jnp.asarray(softmax_scale, dtype)
     scores = jnp.where(visible, scores, -jnp.inf)
     # The row max only stabilizes exp; it cancels, so no gradient flows through
     # it. NaN (a NaN score) and +inf stay: they make the row NaN, as they must.
@@ -151,19 +151,22 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, dtype=
     denom = jnp.sum(p, axis=-1, keepdims=True)
     # 0 / 0 = NaN where a row sees keys whose scores are all -inf.
     safe_denom = jnp.where(no_key, 1, denom)
-    out = _visible_sum(p / safe_denom, v, band, False)
+    out = _visible_sum(p / safe_denom, v, visible, False)
     log_denom = jnp.log(jnp.where(denom == 0, 1, safe_denom)) + row_max
     lse = jnp.where(no_key, -jnp.inf, jnp.where(denom == 0, jnp.nan, log_denom))[..., 0]
     return out.astype(query.dtype), lse.astype(jnp.float32)
 
 
 def attention(query, key, value, *, causal=False, softmax_scale=None, return_lse=False,
-              window_size=None):
+              window_size=None, q_segment_ids=None, kv_segment_ids=None):
     """Same signature and semantics as jflash.flash_attention, in plain jnp."""
-    softmax_scale, diag_lo, diag_hi, return_lse = resolve_arguments(
-        query, key, value, causal, softmax_scale, return_lse, window_size
+    softmax_scale, diag_lo, diag_hi, return_lse, segment_ids = resolve_arguments(
+        query, key, value, causal, softmax_scale, return_lse, window_size, q_segment_ids,
+        kv_segment_ids,
     )
+    q_ids, kv_ids = segment_ids or (None, None)
     out, lse = attention_band(
-        query, key, value, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi
+        query, key, value, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
+        q_segment_ids=q_ids, kv_segment_ids=kv_ids,
     )
     return (out, lse) if return_lse else out

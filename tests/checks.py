@@ -1,4 +1,4 @@
-"""FlashAttention's error rule, shared by every test module."""
+"""FlashAttention's error rule, and inputs, shared by the test modules."""
 
 from __future__ import annotations
 
@@ -48,3 +48,30 @@ def assert_within_rule(name, kernel, plain, truth, dtype):
         f"{name}: kernel error {kernel_err:.3g} > bound {bound:.3g} "
         f"(plain {plain_dtype(dtype)} error {plain_err:.3g})"
     )
+
+
+def qkv_inputs(rng, shape, dtype):
+    """Standard-normal q, k, v of shape = (batch, seq_q, seq_k, heads, heads_kv,
+    head_dim), in dtype."""
+    batch, seq_q, seq_k, heads, heads_kv, head_dim = shape
+    q = rng.standard_normal((batch, seq_q, heads, head_dim))
+    k = rng.standard_normal((batch, seq_k, heads_kv, head_dim))
+    v = rng.standard_normal((batch, seq_k, heads_kv, head_dim))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def float64_inputs(*arrays):
+    """The arrays as float64 NumPy arrays (of their values in the kernel's dtype)."""
+    return [np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in arrays]
+
+
+def window_diags(seq_q, seq_k, causal, window_size):
+    """The band of causal and a (left, right) window, written out from the
+    documented rule, independent of jflash."""
+    left, right = (-1 if s is None else s for s in window_size)
+    offset = seq_k - seq_q
+    lo = offset - left if left >= 0 else -seq_q
+    hi = offset + right if right >= 0 else seq_k
+    if causal:
+        hi = min(hi, offset)
+    return lo, hi

@@ -46,6 +46,9 @@ BwdParams make_params(int batch, int heads, int heads_kv, int seq_q, int seq_k, 
   p.dq_accum = static_cast<float*>(base(11));
   p.delta = static_cast<float*>(base(12));
   p.dq_semaphore = deterministic ? static_cast<int*>(base(13)) : nullptr;
+  p.mask.segments = {static_cast<const int32_t*>(base(14)), static_cast<const int32_t*>(base(15)),
+                     static_cast<const SegmentBlock*>(base(16)),
+                     static_cast<const SegmentBlock*>(base(17)), seq_q, seq_k};
   dense(seq_q, heads, head_dim, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
   dense(seq_k, heads_kv, head_dim, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
   dense(seq_k, heads_kv, head_dim, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
@@ -58,6 +61,17 @@ BwdParams make_params(int batch, int heads, int heads_kv, int seq_q, int seq_k, 
   p.num_heads = heads, p.num_heads_kv = heads_kv, p.head_dim = head_dim;
   p.heads_per_kv = heads / heads_kv;
   return p;
+}
+
+// The segment ids and block summaries that a SegmentMask of batch entry bl of
+// a chunk reads (jflash/mask.h) are those of entry b of the call.
+void check_segments(const SegmentParams& chunk, const SegmentParams& call, int64_t bl, int64_t b) {
+  CHECK(chunk.q_ids + bl * chunk.seqlen_q == call.q_ids + b * call.seqlen_q);
+  CHECK(chunk.kv_ids + bl * chunk.seqlen_k == call.kv_ids + b * call.seqlen_k);
+  CHECK(chunk.q_blocks + bl * segment_blocks(chunk.seqlen_q) ==
+        call.q_blocks + b * segment_blocks(call.seqlen_q));
+  CHECK(chunk.kv_blocks + bl * segment_blocks(chunk.seqlen_k) ==
+        call.kv_blocks + b * segment_blocks(call.seqlen_k));
 }
 
 // Every (batch, head) of the forward and every (batch, kv head) of the
@@ -92,6 +106,7 @@ void check_call(int batch, int heads, int heads_kv, int seq_q, int seq_k, int he
               at(p.out, b * p.out_batch_stride + h * p.out_head_stride));
         CHECK(f.lse + (bl * f.num_heads + hl) * f.seqlen_q ==
               p.lse + (b * p.num_heads + h) * p.seqlen_q);
+        check_segments(f.mask.segments, p.mask.segments, bl, b);
       }
     }
     return cudaSuccess;
@@ -118,6 +133,7 @@ void check_call(int batch, int heads, int heads_kv, int seq_q, int seq_k, int he
               at(p.dk, b * p.dk_batch_stride + kv * p.dk_head_stride));
         CHECK(at(q.dv, bl * q.dv_batch_stride + kvl * q.dv_head_stride) ==
               at(p.dv, b * p.dv_batch_stride + kv * p.dv_head_stride));
+        check_segments(q.mask.segments, p.mask.segments, bl, b);
         for (int i : {0, 1, group - 1}) {  // query heads of the group (KeyBlockSteps)
           if (i >= group) continue;
           const int64_t hl = kvl * q.heads_per_kv + i, h = kv * group + i;

@@ -24,10 +24,16 @@ def _expand_kv(x, group):
     return np.repeat(x, group, axis=2)  # kv head h // group serves query head h
 
 
-def visible_mask(seqlen_q, seqlen_k, diag_lo, diag_hi):
-    """[seqlen_q, seqlen_k] bool: key j visible from query i iff diag_lo <= j - i <= diag_hi."""
+def visible_mask(seqlen_q, seqlen_k, diag_lo, diag_hi, q_segment_ids=None, kv_segment_ids=None):
+    """[seqlen_q, seqlen_k] bool: key j visible from query i iff diag_lo <= j - i <= diag_hi;
+    with segment ids ([batch, seqlen_q], [batch, seqlen_k]) [batch, seqlen_q, seqlen_k],
+    where also q_segment_ids[b, i] == kv_segment_ids[b, j]."""
     offset = np.arange(seqlen_k)[None, :] - np.arange(seqlen_q)[:, None]
-    return (offset >= diag_lo) & (offset <= diag_hi)
+    band = (offset >= diag_lo) & (offset <= diag_hi)
+    if q_segment_ids is None:
+        return band
+    q_ids, kv_ids = np.asarray(q_segment_ids), np.asarray(kv_segment_ids)
+    return band & (q_ids[:, :, None] == kv_ids[:, None, :])
 
 
 def visible_sum(w, x, visible, over_keys=False):
@@ -35,15 +41,17 @@ def visible_sum(w, x, visible, over_keys=False):
 
     over_keys False: y[b, i, h] = sum_j w[b, h, i, j] x[b, j, h] (P V, dS K).
     over_keys True:  y[b, j, h] = sum_i w[b, h, i, j] x[b, i, h] (P^T dO, dS^T Q).
-    w must be 0 on masked pairs. Finite x enters one einsum; each row of x
-    with a non-finite entry adds its terms of the visible pairs only, so a NaN
-    in x reaches the rows (or keys) that see it, and no others.
+    w must be 0 on masked pairs; visible [seq_q, seq_k] or [batch, seq_q, seq_k].
+    Finite x enters one einsum; each row of x with a non-finite entry adds its
+    terms of the visible pairs only, so a NaN in x reaches the rows (or keys)
+    that see it, and no others.
     """
     spec = "bhij,bihd->bjhd" if over_keys else "bhij,bjhd->bihd"
     finite = np.isfinite(x)
     y = np.einsum(spec, w, np.where(finite, x, 0.0))
-    pairs = visible.T if over_keys else visible  # [summed-into, summed-over]
+    visible = np.broadcast_to(visible, (w.shape[0], *visible.shape[-2:]))
     for b, n, h in zip(*np.nonzero(~finite.all(-1))):
+        pairs = visible[b].T if over_keys else visible[b]  # [summed-into, summed-over]
         into = pairs[:, n]  # the rows (keys) that see position n of x
         weights = w[b, h, :, n][into] if not over_keys else w[b, h, n, :][into]
         bad = ~finite[b, n, h]
@@ -52,14 +60,21 @@ def visible_sum(w, x, visible, over_keys=False):
     return y
 
 
-def forward(q, k, v, softmax_scale, diag_lo, diag_hi):
-    """(out [b,sq,h,d], lse [b,h,sq], p [b,h,sq,sk]) in float64."""
+def _visible4(sq, sk, diag_lo, diag_hi, segment_ids):
+    """The mask as [batch or 1, 1, sq, sk], broadcast over heads."""
+    visible = visible_mask(sq, sk, diag_lo, diag_hi, *(segment_ids or (None, None)))
+    return visible.reshape(-1, 1, sq, sk)
+
+
+def forward(q, k, v, softmax_scale, diag_lo, diag_hi, segment_ids=None):
+    """(out [b,sq,h,d], lse [b,h,sq], p [b,h,sq,sk]) in float64; segment_ids: None or
+    (q ids [b, sq], kv ids [b, sk])."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     group = q.shape[2] // k.shape[2]
     k, v = _expand_kv(k, group), _expand_kv(v, group)
     sq, sk = q.shape[1], k.shape[1]
-    visible = visible_mask(sq, sk, diag_lo, diag_hi)
-    no_key = ~visible.any(-1)[:, None]  # [sq, 1]: rows that see no key
+    visible = _visible4(sq, sk, diag_lo, diag_hi, segment_ids)
+    no_key = ~visible.any(-1, keepdims=True)  # rows that see no key
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         s = np.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
         s = np.where(visible, s, -np.inf)
@@ -69,25 +84,25 @@ def forward(q, k, v, softmax_scale, diag_lo, diag_hi):
         denom = p.sum(-1, keepdims=True)
         p = np.where(visible, p / np.where(no_key, 1.0, denom), 0.0)  # 0 / 0 = NaN: undefined rows
         lse = np.where(no_key, -np.inf, np.where(denom == 0, np.nan, np.log(denom) + m))[..., 0]
-    out = visible_sum(p, v, visible)
+    out = visible_sum(p, v, visible[:, 0])
     return out, lse, p
 
 
-def backward(q, k, v, dout, dlse, softmax_scale, diag_lo, diag_hi):
+def backward(q, k, v, dout, dlse, softmax_scale, diag_lo, diag_hi, segment_ids=None):
     """(dq, dk, dv) in float64 for cotangents dout (of out) and dlse (of lse)."""
     q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
     dlse = np.asarray(dlse, np.float64)
-    out, _, p = forward(q, k, v, softmax_scale, diag_lo, diag_hi)
+    out, _, p = forward(q, k, v, softmax_scale, diag_lo, diag_hi, segment_ids)
     group = q.shape[2] // k.shape[2]
     ke, ve = _expand_kv(k, group), _expand_kv(v, group)
-    visible = visible_mask(q.shape[1], k.shape[1], diag_lo, diag_hi)
+    visible = _visible4(q.shape[1], k.shape[1], diag_lo, diag_hi, segment_ids)
     with np.errstate(invalid="ignore", over="ignore"):
-        dv = visible_sum(p, dout, visible, over_keys=True)
+        dv = visible_sum(p, dout, visible[:, 0], over_keys=True)
         dp = np.einsum("bqhd,bkhd->bhqk", dout, ve)
         delta = np.einsum("bqhd,bqhd->bhq", dout, out) - dlse  # d lse / d s = p
         ds = np.where(visible, p * (dp - delta[..., None]), 0.0)
-        dq = visible_sum(ds, ke, visible) * softmax_scale
-        dk = visible_sum(ds, q, visible, over_keys=True) * softmax_scale
+        dq = visible_sum(ds, ke, visible[:, 0]) * softmax_scale
+        dk = visible_sum(ds, q, visible[:, 0], over_keys=True) * softmax_scale
 
     def fold(x):  # sum the query heads of each group into their kv head
         b, s, h, d = x.shape

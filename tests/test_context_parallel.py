@@ -223,6 +223,30 @@ def test_zigzag_layout_without_matching_sharding(rng):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
 
 
+def test_zigzag_layout_with_segment_ids(rng):
+    """Segment ids in the zigzag layout of q and k: masked by their documents at
+    the tokens' true positions, the same as the call in token order."""
+    q, k, v, dout, _ = _inputs(rng, batch=1, seq=32)
+    ids = jnp.asarray(np.repeat(np.arange(4), [3, 13, 1, 15])[None], jnp.int32)
+
+    def run(q, k, v, ids, dout):
+        def loss(q, k, v):
+            out = jflash.flash_attention(q, k, v, causal=True, q_segment_ids=ids,
+                                         kv_segment_ids=ids)
+            return jnp.sum(out * dout), out
+
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return (out, *grads)
+
+    want = run(q, k, v, ids, dout)
+    zig = [shard_sequence(x, SEQ_DEVICES, 1) for x in (q, k, v, ids, dout)]
+    with jflash.sequence_layout("zigzag", SEQ_DEVICES):
+        got = jax.jit(run)(*zig)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(unshard_sequence(g, SEQ_DEVICES, 1)), np.asarray(w),
+                                   rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_ring_attention_in_shard_map(rng, layout):
     """ring_attention inside jax.shard_map (check_vma), GQA, with lse gradients."""

@@ -29,8 +29,11 @@ import pytest
 
 import jflash
 from checks import assert_within_rule
+from segments import case_id as segment_case_id
+from segments import check_against_reference as check_segments
 from jflash._src.flash_attention import attention_band
 from jflash._src.ffi import cuda_backward_family, cuda_forward_family, cuda_kernel_smem_bytes
+from segments import segment_ids
 from jflash.reference import attention_band as reference_band
 
 pytestmark = pytest.mark.skipif(
@@ -39,6 +42,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 DTYPES = [jnp.bfloat16, jnp.float16]
+
+
+def _is_hopper():
+    return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
 
 # (batch, seq_q, seq_k, num_heads, num_heads_kv, head_dim, diag_lo, diag_hi);
 # None bounds mean "no mask" (the unmasked instantiation).
@@ -121,6 +128,106 @@ def _run(fn, q, k, v, g_out, g_lse):
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_against_reference(rng, case, dtype):
     _check_against_reference(rng, case, dtype)
+
+
+# Segment ids (packed documents) on the CUDA kernels: SegmentMask's instantiations
+# (head dims 64, 128, 256; other head dims pad up to them). On Hopper the
+# forward runs the Hopper kernel (192-row tiles at head dim 64 past 1024 rows,
+# 128 below), the backward the Hopper one at head dims 64 and 128 and the sm80
+# one at 256; test_segments_on_sm80_kernels runs the same cases on the sm80
+# kernels, test_small_smem_tiles its own on the 99 KB tiles.
+# (batch, seq_q, seq_k, heads, heads_kv, head_dim, causal, window_size, kind;
+# tests/segments.py describes the kinds of ids.)
+SEGMENT_CASES = [
+    (2, 1000, 1000, 4, 2, 64, True, None, "packed"),  # documents of 1..40 across every tile
+    (1, 1030, 1030, 4, 2, 128, False, None, "packed"),
+    (2, 1500, 1500, 4, 2, 64, True, None, "long"),  # full tiles inside documents
+    (1, 2049, 1500, 8, 4, 128, True, None, "long"),  # seq_q > seq_k: rows that see nothing
+    (1, 4096, 4096, 4, 1, 128, True, None, "long"),  # many units and steps per CTA
+    (1, 300, 517, 8, 1, 128, True, None, "random"),  # MQA, ids not contiguous
+    (1, 700, 700, 4, 4, 256, True, (200, 0), "shuffled"),  # ids out of order, padding
+    (1, 1100, 900, 4, 2, 256, False, None, "long"),
+    (2, 255, 257, 2, 2, 64, False, None, "disjoint"),  # rows and keys with no partner
+    (1, 200, 300, 2, 1, 80, False, (30, 30), "random"),  # head dim 80 runs 128's kernels
+    (1, 130, 130, 2, 2, 32, True, None, "packed"),  # head dim 32 runs 64's kernels
+]
+
+
+def _segments_call(deterministic=False):
+    def fn(q, k, v, q_ids, kv_ids, causal, window):
+        return jflash.flash_attention(q, k, v, causal=causal, window_size=window,
+                                      return_lse=True, q_segment_ids=q_ids,
+                                      kv_segment_ids=kv_ids, deterministic=deterministic)
+
+    return fn
+
+
+def _assert_segment_kernels(head_dim, fwd_family, bwd_family):
+    """The families (cuda_forward_family's codes) the segment kernels of a padded
+    head dim run in, each where this build has them (0: left out of the build)."""
+    for dtype in DTYPES:
+        assert cuda_forward_family(dtype, head_dim, True, segments=True) in (fwd_family, 0)
+        assert cuda_backward_family(dtype, head_dim, True, segments=True) in (bwd_family, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", SEGMENT_CASES, ids=segment_case_id)
+def test_segments_against_reference(rng, case, dtype):
+    padded = {32: 64, 80: 128}.get(case[5], case[5])
+    if os.environ.get("JFLASH_CUDA_FORWARD") == "sm80":
+        _assert_segment_kernels(padded, 80, 80)
+    elif _is_hopper():
+        # The Hopper kernels have no segment instantiations yet: on Hopper the
+        # segment calls run the sm80 kernels.
+        _assert_segment_kernels(padded, 80, 80)
+    _kernel_call(lambda: check_segments(rng, case, dtype, _segments_call()))
+
+
+@pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
+def test_segments_on_sm80_kernels():
+    """The segment cases on the sm80 forward and backward, forced on Hopper."""
+    if os.environ.get("JFLASH_CUDA_FORWARD") or os.environ.get("JFLASH_CUDA_BACKWARD"):
+        pytest.skip("already under a JFLASH_CUDA_FORWARD / JFLASH_CUDA_BACKWARD")
+    _pytest_in_subprocess("test_segments_against_reference or test_segments_deterministic",
+                          JFLASH_CUDA_FORWARD="sm80", JFLASH_CUDA_BACKWARD="sm80")
+
+
+# Deterministic mode with segment ids orders dQ by the band's key blocks (the
+# tiles of other documents in them computed fully masked): the Hopper backward
+# (64, 128) and the sm80 one (256).
+SEGMENT_DETERMINISTIC_CASES = [
+    (1, 1500, 1500, 8, 2, 128, True, None, "packed"),
+    (1, 1000, 1200, 4, 4, 64, False, None, "long"),
+    (1, 900, 900, 4, 2, 256, True, None, "shuffled"),
+]
+
+
+@pytest.mark.parametrize("case", SEGMENT_DETERMINISTIC_CASES, ids=segment_case_id)
+def test_segments_deterministic(rng, case):
+    """Within the 2x rule, and bitwise the same gradients every run."""
+    _kernel_call(lambda: check_segments(rng, case, jnp.bfloat16, _segments_call(True)))
+    b, sq, sk, h, hkv, d, causal, window, kind = case
+    q, k, v = (jnp.asarray(rng.standard_normal((b, s, n, d)), jnp.bfloat16)
+               for s, n in ((sq, h), (sk, hkv), (sk, hkv)))
+    q_ids, kv_ids = segment_ids(rng, kind, b, sq, sk)
+    g_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    fn = _segments_call(True)
+
+    def loss(q, k, v):
+        return jnp.sum(fn(q, k, v, q_ids, kv_ids, causal, window)[0].astype(jnp.float32) * g_out)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    first = [np.asarray(g) for g in _kernel_call(lambda: grad(q, k, v))]
+    for _ in range(4):
+        for name, a, b_ in zip(("dq", "dk", "dv"), first, grad(q, k, v)):
+            assert np.array_equal(a, np.asarray(b_)), f"{name} differs between runs"
+
+
+def test_segments_grid_limits(rng):
+    """Batch past 65535 (the sm80 launchers' grid chunks advance the ids and their
+    summaries with the batch): forward and backward within the 2x rule."""
+    _kernel_call(lambda: check_segments(rng, (70000, 4, 6, 1, 1, 64, True, None, "random"),
+                                        jnp.bfloat16, _segments_call()))
 
 
 # A negative or zero softmax_scale: the Hopper forward masks raw scores with a
@@ -267,6 +374,27 @@ def test_small_smem_against_reference(rng, case, dtype):
     _check_against_reference(rng, case, dtype)
 
 
+# Segment ids on the 99 KB tiles: backward 64 x 64 (head dim 128), 32 x 32
+# (256), forward 64 x 64 (256).
+SMALL_SMEM_SEGMENT_CASES = [
+    (1, 300, 333, 4, 2, 128, True, None, "packed"),
+    (1, 257, 255, 2, 1, 256, False, None, "long"),
+    (1, 190, 190, 2, 2, 256, True, (40, 0), "random"),
+]
+
+
+@pytest.mark.skipif(
+    os.environ.get("JFLASH_CUDA_SMEM_LIMIT") != str(SMALL_SMEM_LIMIT),
+    reason="run by test_small_smem_tiles, in a subprocess with JFLASH_CUDA_SMEM_LIMIT set",
+)
+@pytest.mark.parametrize("case", SMALL_SMEM_SEGMENT_CASES, ids=segment_case_id)
+def test_small_smem_segments_against_reference(rng, case):
+    for direction in ("fwd", "bwd"):
+        smem = cuda_kernel_smem_bytes(direction, jnp.bfloat16, case[5], True, segments=True)
+        assert smem <= SMALL_SMEM_LIMIT, (direction, case[5], smem)
+    _kernel_call(lambda: check_segments(rng, case, jnp.bfloat16, _segments_call()))
+
+
 def test_small_smem_tiles():
     """The small-shared-memory tiles, forced on this GPU, against the reference."""
     if os.environ.get("JFLASH_CUDA_SMEM_LIMIT"):
@@ -277,7 +405,7 @@ def test_small_smem_tiles():
         for d in (96, 128, 160, 192, 224, 256):
             smem = cuda_kernel_smem_bytes("bwd", jnp.bfloat16, d, False)
             assert smem == 0 or smem > SMALL_SMEM_LIMIT, (d, smem)
-    _pytest_in_subprocess("test_small_smem_against_reference",
+    _pytest_in_subprocess("test_small_smem_against_reference or test_small_smem_segments",
                           JFLASH_CUDA_SMEM_LIMIT=str(SMALL_SMEM_LIMIT))
 
 
@@ -367,10 +495,6 @@ def test_deterministic_gradients(rng, case):
         again = grad(q, k, v, g_out)
         for name, a, b_ in zip(("dq", "dk", "dv"), first, again):
             assert np.array_equal(a, np.asarray(b_)), f"{name} differs between runs"
-
-
-def _is_hopper():
-    return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
 
 
 # Grids past CUDA's 65535 limit on gridDim.y and gridDim.z, where the sm80

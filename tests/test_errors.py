@@ -100,6 +100,59 @@ def test_bad_keywords(kwargs, error, message):
         _trace(*_qkv(), **kwargs)
 
 
+def _ids(shape, dtype=jnp.int32):
+    return jnp.zeros(shape, dtype)
+
+
+# q is [2, 16, ...] and k [2, 24, ...] (_qkv): valid ids are [2, 16] and [2, 24].
+BAD_SEGMENT_IDS = [
+    (dict(q_segment_ids=_ids((2, 16))), ValueError,
+     "q_segment_ids is given but kv_segment_ids is None"),
+    (dict(kv_segment_ids=_ids((2, 24))), ValueError,
+     "kv_segment_ids is given but q_segment_ids is None"),
+    (dict(q_segment_ids=_ids((16,)), kv_segment_ids=_ids((2, 24))), ValueError,
+     r"q_segment_ids must have shape \[batch, seq_q\] of query, \(2, 16\), got shape \(16,\)"),
+    (dict(q_segment_ids=_ids((2, 16)), kv_segment_ids=_ids((2, 24, 1))), ValueError,
+     r"kv_segment_ids must have shape \[batch, seq_k\] of key, \(2, 24\)"),
+    (dict(q_segment_ids=_ids((3, 16)), kv_segment_ids=_ids((2, 24))), ValueError,
+     r"q_segment_ids must have shape.*got shape \(3, 16\)"),
+    (dict(q_segment_ids=_ids((2, 16)), kv_segment_ids=_ids((2, 16))), ValueError,
+     r"kv_segment_ids must have shape.*got shape \(2, 16\)"),
+    (dict(q_segment_ids=_ids((2, 16), jnp.float32), kv_segment_ids=_ids((2, 24))), TypeError,
+     "q_segment_ids must be an integer array"),
+    (dict(q_segment_ids=_ids((2, 16)), kv_segment_ids=_ids((2, 24), jnp.bool_)), TypeError,
+     "kv_segment_ids must be an integer array"),
+    (dict(q_segment_ids=[[0] * 16] * 2, kv_segment_ids=_ids((2, 24))), TypeError,
+     "q_segment_ids must be an array, got list"),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,message", BAD_SEGMENT_IDS)
+def test_bad_segment_ids(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        _trace(*_qkv(), **kwargs)
+    with pytest.raises(error, match=message):  # jflash.reference takes them alike
+        jax.eval_shape(lambda q, k, v: jflash.reference.attention(q, k, v, **kwargs), *_qkv())
+
+
+def test_wide_segment_ids_name_int32():
+    """An integer dtype that int32 does not hold (here uint32) is refused, not wrapped."""
+    with pytest.raises(TypeError, match="q_segment_ids has dtype uint32; segment ids are int32"):
+        _trace(*_qkv(), q_segment_ids=_ids((2, 16), jnp.uint32), kv_segment_ids=_ids((2, 24)))
+
+
+def test_valid_segment_ids_trace():
+    for dtype in (jnp.int32, jnp.int16, jnp.uint8):
+        out = _trace(*_qkv(), q_segment_ids=_ids((2, 16), dtype),
+                     kv_segment_ids=_ids((2, 24), dtype), causal=True)
+        assert out.shape == (2, 16, 4, 64)
+    # NumPy's default int64 is what jax stores as int32 (without jax_enable_x64).
+    q, k, v = (jnp.zeros(x.shape, x.dtype) for x in _qkv())
+    ids_q, ids_k = np.zeros((2, 16), np.int64), np.zeros((2, 24), np.int64)
+    out = jflash.flash_attention(q, k, v, q_segment_ids=ids_q, kv_segment_ids=ids_k)
+    assert out.shape == q.shape
+
+
 def test_valid_input_traces():
     """The error tests above mean something only if valid input traces fine."""
     out = _trace(*_qkv())

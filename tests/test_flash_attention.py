@@ -6,6 +6,8 @@ GPU machine.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,8 @@ import pytest
 
 import jflash
 import reference64
-from checks import assert_within_rule, plain_dtype
+from checks import assert_within_rule, float64_inputs, plain_dtype, qkv_inputs, window_diags
+from segments import case_id, check_against_reference, packed_ids, segment_ids
 from jflash._src.flash_attention import attention_band
 from jflash._src.masks import causal_band
 from jflash.reference import attention_band as reference_band
@@ -34,23 +37,11 @@ SHAPES = [
 ]
 
 
-def _inputs(rng, shape, dtype):
-    batch, seq_q, seq_k, heads, heads_kv, head_dim = shape
-    q = rng.standard_normal((batch, seq_q, heads, head_dim))
-    k = rng.standard_normal((batch, seq_k, heads_kv, head_dim))
-    v = rng.standard_normal((batch, seq_k, heads_kv, head_dim))
-    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
-
-
-def _truth_inputs(*arrays):
-    return [np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in arrays]
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_forward(rng, shape, causal, dtype):
-    q, k, v = _inputs(rng, shape, dtype)
+    q, k, v = qkv_inputs(rng, shape, dtype)
     out, lse = jax.jit(
         lambda q, k, v: jflash.flash_attention(q, k, v, causal=causal, return_lse=True)
     )(q, k, v)
@@ -59,7 +50,7 @@ def test_forward(rng, shape, causal, dtype):
 
     scale = 1 / np.sqrt(shape[5])
     lo, hi = causal_band(shape[1], shape[2], causal)
-    truth_out, truth_lse, _ = reference64.forward(*_truth_inputs(q, k, v), scale, lo, hi)
+    truth_out, truth_lse, _ = reference64.forward(*float64_inputs(q, k, v), scale, lo, hi)
     plain_out, plain_lse = reference_band(
         q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi, dtype=plain_dtype(dtype)
     )
@@ -73,7 +64,7 @@ def test_forward(rng, shape, causal, dtype):
 def test_backward(rng, shape, causal, dtype):
     """Gradients of (out, lse) with random cotangents for both: dlse exercises
     the delta - dlse term that lse-combining callers (ring attention) rely on."""
-    q, k, v = _inputs(rng, shape, dtype)
+    q, k, v = qkv_inputs(rng, shape, dtype)
     dout = jnp.asarray(rng.standard_normal(q.shape), dtype)
     dlse = jnp.asarray(rng.standard_normal((shape[0], shape[3], shape[1])), jnp.float32)
     scale = 1 / np.sqrt(shape[5])
@@ -93,7 +84,7 @@ def test_backward(rng, shape, causal, dtype):
 
     kernel = jax.jit(lambda *args: grads(kernel_fn, *args))(q, k, v, dout, dlse)
     plain = grads(plain_fn, q, k, v, dout, dlse)
-    truth = reference64.backward(*_truth_inputs(q, k, v, dout), np.asarray(dlse), scale, lo, hi)
+    truth = reference64.backward(*float64_inputs(q, k, v, dout), np.asarray(dlse), scale, lo, hi)
     for name, got, ref, exact in zip(("dq", "dk", "dv"), kernel, plain, truth):
         assert got.dtype == q.dtype and got.shape == ref.shape
         assert_within_rule(name, got, ref, exact, dtype)
@@ -106,7 +97,7 @@ def test_fully_masked_rows_are_zero_not_nan(rng, dtype):
     causal with seq_q > seq_k (bottom-right) masks rows 0..seq_q-seq_k-1 fully;
     a band with diag_hi = -5 masks rows 0..4 in a square problem.
     """
-    q, k, v = _inputs(rng, (2, 40, 23, 4, 2, 64), dtype)
+    q, k, v = qkv_inputs(rng, (2, 40, 23, 4, 2, 64), dtype)
     out, lse = jflash.flash_attention(q, k, v, causal=True, return_lse=True)
     masked = 40 - 23
     assert np.all(np.asarray(out[:, :masked], np.float32) == 0)
@@ -117,7 +108,7 @@ def test_fully_masked_rows_are_zero_not_nan(rng, dtype):
         out, lse = attention_band(q, k, v, softmax_scale=0.125, diag_lo=-40, diag_hi=-5)
         return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
 
-    q2, k2, v2 = _inputs(rng, (1, 31, 31, 2, 2, 64), dtype)
+    q2, k2, v2 = qkv_inputs(rng, (1, 31, 31, 2, 2, 64), dtype)
     out2, lse2 = attention_band(q2, k2, v2, softmax_scale=0.125, diag_lo=-31, diag_hi=-5)
     assert np.all(np.asarray(out2[:, :5], np.float32) == 0)
     assert np.all(np.isneginf(np.asarray(lse2[:, :, :5])))
@@ -132,10 +123,10 @@ def test_fully_masked_rows_are_zero_not_nan(rng, dtype):
 
 def test_band_mask_matches_reference(rng):
     """A sliding window (both band edges) against float64 truth."""
-    q, k, v = _inputs(rng, (1, 150, 130, 4, 2, 64), jnp.bfloat16)
+    q, k, v = qkv_inputs(rng, (1, 150, 130, 4, 2, 64), jnp.bfloat16)
     lo, hi = -37, 11
     out, lse = attention_band(q, k, v, softmax_scale=0.1, diag_lo=lo, diag_hi=hi)
-    truth_out, truth_lse, _ = reference64.forward(*_truth_inputs(q, k, v), 0.1, lo, hi)
+    truth_out, truth_lse, _ = reference64.forward(*float64_inputs(q, k, v), 0.1, lo, hi)
     plain_out, plain_lse = reference_band(
         q, k, v, softmax_scale=0.1, diag_lo=lo, diag_hi=hi, dtype=jnp.bfloat16
     )
@@ -144,12 +135,12 @@ def test_band_mask_matches_reference(rng):
 
 
 def test_softmax_scale_and_default(rng):
-    q, k, v = _inputs(rng, (1, 70, 90, 2, 2, 64), jnp.float32)
+    q, k, v = qkv_inputs(rng, (1, 70, 90, 2, 2, 64), jnp.float32)
     out_default = jflash.flash_attention(q, k, v)
     out_explicit = jflash.flash_attention(q, k, v, softmax_scale=1 / 8.0)
     np.testing.assert_array_equal(np.asarray(out_default), np.asarray(out_explicit))
     out_scaled = jflash.flash_attention(q, k, v, softmax_scale=0.37)
-    truth, _, _ = reference64.forward(*_truth_inputs(q, k, v), 0.37, -70, 90)
+    truth, _, _ = reference64.forward(*float64_inputs(q, k, v), 0.37, -70, 90)
     plain = reference_band(q, k, v, softmax_scale=0.37, diag_lo=-70, diag_hi=90,
                            dtype=plain_dtype(jnp.float32))[0]
     assert_within_rule("out", out_scaled, plain, truth, jnp.float32)
@@ -157,9 +148,9 @@ def test_softmax_scale_and_default(rng):
 
 def test_reference_public_api_matches_truth(rng):
     """jflash.reference.attention documents the semantics; check it too."""
-    q, k, v = _inputs(rng, (2, 37, 19, 4, 2, 32), jnp.float32)
+    q, k, v = qkv_inputs(rng, (2, 37, 19, 4, 2, 32), jnp.float32)
     out, lse = jflash.reference.attention(q, k, v, causal=True, return_lse=True)
-    truth_out, truth_lse, _ = reference64.forward(*_truth_inputs(q, k, v), 32**-0.5, -37, 19 - 37)
+    truth_out, truth_lse, _ = reference64.forward(*float64_inputs(q, k, v), 32**-0.5, -37, 19 - 37)
     np.testing.assert_allclose(np.asarray(out), truth_out, atol=1e-5)
     np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(truth_lse))
 
@@ -177,34 +168,23 @@ WINDOW_CASES = [
 ]
 
 
-def _window_diags(seq_q, seq_k, causal, window_size):
-    """The window's band written out from the documented rule, independent of jflash."""
-    left, right = (-1 if s is None else s for s in window_size)
-    offset = seq_k - seq_q
-    lo = offset - left if left >= 0 else -seq_q
-    hi = offset + right if right >= 0 else seq_k
-    if causal:
-        hi = min(hi, offset)
-    return lo, hi
-
-
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"{c[1]}x{c[2]}_c{int(c[6])}_w{c[7]}")
 def test_window_size_against_reference(rng, case):
     *shape, causal, window = case
     dtype = jnp.bfloat16
-    q, k, v = _inputs(rng, shape, dtype)
+    q, k, v = qkv_inputs(rng, shape, dtype)
     dout = jnp.asarray(rng.standard_normal(q.shape), dtype)
     dlse = jnp.asarray(rng.standard_normal((shape[0], shape[3], shape[1])), jnp.float32)
     scale = 1 / np.sqrt(shape[5])
-    lo, hi = _window_diags(shape[1], shape[2], causal, window)
+    lo, hi = window_diags(shape[1], shape[2], causal, window)
 
     def kernel_fn(q, k, v):
         return jflash.flash_attention(q, k, v, causal=causal, window_size=window, return_lse=True)
 
     (out, lse), vjp = jax.vjp(jax.jit(kernel_fn), q, k, v)
     grads = vjp((dout, dlse))
-    truth_out, truth_lse, _ = reference64.forward(*_truth_inputs(q, k, v), scale, lo, hi)
-    truth_grads = reference64.backward(*_truth_inputs(q, k, v, dout), np.asarray(dlse), scale, lo, hi)
+    truth_out, truth_lse, _ = reference64.forward(*float64_inputs(q, k, v), scale, lo, hi)
+    truth_grads = reference64.backward(*float64_inputs(q, k, v, dout), np.asarray(dlse), scale, lo, hi)
     plain = jax.vjp(lambda q, k, v: reference_band(q, k, v, softmax_scale=scale, diag_lo=lo,
                                                    diag_hi=hi, dtype=plain_dtype(dtype)), q, k, v)
     plain_out, plain_lse = plain[0]
@@ -223,7 +203,7 @@ def test_window_size_against_reference(rng, case):
 def test_window_size_matches_jax_nn(rng, window):
     """Square problems, where bottom-right and top-left alignment agree: the
     window of jax.nn.dot_product_attention's local_window_size."""
-    q, k, v = _inputs(rng, (2, 60, 60, 4, 2, 64), jnp.float32)
+    q, k, v = qkv_inputs(rng, (2, 60, 60, 4, 2, 64), jnp.float32)
     got = jflash.flash_attention(q, k, v, window_size=window)
     want = jax.nn.dot_product_attention(q, k, v, local_window_size=window, implementation="xla")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
@@ -236,7 +216,7 @@ def test_deterministic_mode(rng, causal):
     the drop-in, to flash_attention's. Bitwise repeatability on GPU is
     test_cuda_specific.py's test_deterministic_gradients."""
     shape = (2, 300, 500, 4, 2, 64)
-    q, k, v = _inputs(rng, shape, jnp.bfloat16)
+    q, k, v = qkv_inputs(rng, shape, jnp.bfloat16)
     dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
     scale = 1 / np.sqrt(shape[5])
 
@@ -250,7 +230,7 @@ def test_deterministic_mode(rng, causal):
     )
     lo, hi = causal_band(shape[1], shape[2], causal)
     no_dlse = np.zeros((shape[0], shape[3], shape[1]))
-    truth = reference64.backward(*_truth_inputs(q, k, v, dout), no_dlse, scale, lo, hi)
+    truth = reference64.backward(*float64_inputs(q, k, v, dout), no_dlse, scale, lo, hi)
     plain = grads(
         lambda q, k, v: reference_band(
             q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi, dtype=plain_dtype(jnp.bfloat16)
@@ -274,3 +254,112 @@ def test_deterministic_mode(rng, causal):
     ]
     for name, a, b in zip(("dq", "dk", "dv"), *square):
         assert np.array_equal(np.asarray(a), np.asarray(b)), name
+
+
+# ---------------------------------------------------------------- segment ids
+# (segments.py: the ids of each kind of packing and the check of one case)
+
+# (batch, seq_q, seq_k, heads, heads_kv, head_dim, causal, window_size, kind):
+# packed causal documents, GQA and MQA, odd lengths both ways, head dims that
+# pad (32, 80), windows, ids out of order, non-contiguous ids, rows and keys
+# with no partner.
+SEGMENT_CASES = [
+    (2, 200, 200, 4, 2, 64, True, None, "packed"),
+    (1, 130, 97, 4, 2, 80, True, None, "packed"),  # bottom-right causal: rows 0..32 see nothing
+    (2, 97, 130, 2, 1, 32, False, None, "random"),
+    (1, 160, 160, 2, 2, 128, True, (20, 0), "shuffled"),
+    (2, 70, 90, 2, 2, 64, False, (10, 10), "disjoint"),
+]
+
+
+@pytest.mark.parametrize("case", SEGMENT_CASES, ids=case_id)
+def test_segment_ids_against_reference(rng, case):
+    no_key, _ = check_against_reference(rng, case, jnp.bfloat16)
+    if case[-1] == "disjoint":
+        assert no_key  # the case exercises rows that see nothing
+
+
+def test_segment_ids_float32(rng):
+    check_against_reference(rng, SEGMENT_CASES[0], jnp.float32)
+
+
+def test_packed_documents_equal_separate_documents(rng):
+    """Causal documents packed one after the other attend as if alone: out, lse
+    and the gradients of each document equal its own flash_attention call."""
+    lengths = [1, 37, 64, 5, 93]
+    seq = sum(lengths)
+    q, k, v = qkv_inputs(rng, (1, seq, seq, 4, 2, 64), jnp.float32)
+    dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    ids = jnp.asarray(packed_ids(lengths, np.arange(len(lengths)) + 10))[None]
+
+    def packed(q, k, v):
+        return jflash.flash_attention(q, k, v, causal=True, return_lse=True,
+                                      q_segment_ids=ids, kv_segment_ids=ids)
+
+    (out, lse), vjp = jax.vjp(packed, q, k, v)
+    grads = vjp((dout, jnp.zeros(lse.shape)))
+    start = 0
+    for n in lengths:
+        part = slice(start, start + n)
+        (o, l), vjp_part = jax.vjp(
+            lambda q, k, v: jflash.flash_attention(q, k, v, causal=True, return_lse=True),
+            q[:, part], k[:, part], v[:, part])
+        g = vjp_part((dout[:, part], jnp.zeros(l.shape)))
+        tol = dict(rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(out[:, part], o, **tol)
+        np.testing.assert_allclose(lse[:, :, part], l, **tol)
+        for a, b in zip(grads, g):
+            np.testing.assert_allclose(a[:, part], b, **tol)
+        start += n
+
+
+def test_segment_blocks_match_brute_force(rng):
+    """The kernels' block summaries: min and max id, and the hull of the other
+    side's positions that hold one of the block's ids, for every kind of ids."""
+    from jflash._src.masks import segment_blocks
+
+    for kind in ("packed", "shuffled", "random", "disjoint"):
+        q_ids, kv_ids = segment_ids(rng, kind, 2, 75, 61)
+        got = np.asarray(segment_blocks(q_ids, kv_ids, 32))
+        assert got.shape == (2, 3, 4) and got.dtype == np.int32
+        for b in range(2):
+            for blk in range(3):
+                block = np.asarray(q_ids[b, blk * 32:(blk + 1) * 32])
+                where = np.nonzero(np.isin(np.asarray(kv_ids[b]), block))[0]
+                assert got[b, blk, 0] == block.min() and got[b, blk, 1] == block.max()
+                if where.size:
+                    assert (got[b, blk, 2], got[b, blk, 3]) == (where.min(), where.max() + 1)
+                else:
+                    assert got[b, blk, 2] >= got[b, blk, 3]
+
+
+def test_segment_ids_transforms(rng):
+    """vmap over an extra axis is the per-slice call (bitwise on CPU); gradients
+    under jit and deterministic=True agree; the ids get no gradient; all ids
+    equal is the call without them (within the rule)."""
+    q, k, v = qkv_inputs(rng, (2, 50, 60, 2, 1, 64), jnp.float32)
+    q_ids, kv_ids = segment_ids(rng, "random", 2, 50, 60)
+
+    def attend(q, k, v, q_ids, kv_ids, deterministic=False):
+        return jflash.flash_attention(q, k, v, causal=True, q_segment_ids=q_ids,
+                                      kv_segment_ids=kv_ids, deterministic=deterministic)
+
+    stack = lambda x: jnp.stack([x, x[::-1]])  # noqa: E731
+    batched = jax.jit(jax.vmap(attend))(stack(q), stack(k), stack(v), stack(q_ids), stack(kv_ids))
+    for i, flip in enumerate((lambda x: x, lambda x: x[::-1])):
+        one = attend(flip(q), flip(k), flip(v), flip(q_ids), flip(kv_ids))
+        np.testing.assert_array_equal(np.asarray(batched[i]), np.asarray(one))
+
+    def loss(q, k, v, deterministic=False):
+        return jnp.sum(attend(q, k, v, q_ids, kv_ids, deterministic) ** 2)
+
+    g1 = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    g2 = jax.grad(functools.partial(loss, deterministic=True), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g1, g2):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Integer inputs: jax.grad refuses them, as for any integer argument.
+    with pytest.raises(TypeError, match="integer"):
+        jax.grad(lambda ids: jnp.sum(attend(q, k, v, ids, kv_ids)))(q_ids)
+    same = attend(q, k, v, jnp.zeros_like(q_ids), jnp.zeros_like(kv_ids))
+    plain = jflash.flash_attention(q, k, v, causal=True)
+    np.testing.assert_allclose(np.asarray(same), np.asarray(plain), rtol=1e-5, atol=1e-6)

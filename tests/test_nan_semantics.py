@@ -124,7 +124,7 @@ def _jax_nn(q, k, v, dout, visible, scale):
 
 def _jax_nn_here(q, k, v, dout, visible, scale):
     q, k, v, dout = (jnp.asarray(x, jnp.float32) for x in (q, k, v, dout))
-    mask = jnp.asarray(visible)[None, None]
+    mask = jnp.asarray(visible).reshape(-1, 1, *visible.shape[-2:])  # [batch or 1, 1, sq, sk]
 
     def attend(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
@@ -140,9 +140,12 @@ def _jax_nn_here(q, k, v, dout, visible, scale):
     return [np.asarray(x, np.float64) for x in (out, lse, *grads)]
 
 
-def _kernel(q, k, v, dout, dlse, scale, lo, hi, dtype):
+def _kernel(q, k, v, dout, dlse, scale, lo, hi, dtype, segments=None):
+    q_ids, kv_ids = segments or (None, None)
+
     def fn(q, k, v):
-        return attention_band(q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi)
+        return attention_band(q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi,
+                              q_segment_ids=q_ids, kv_segment_ids=kv_ids)
 
     args = [jnp.asarray(x, dtype) for x in (q, k, v)]
     (out, lse), vjp = jax.vjp(jax.jit(fn), *args)
@@ -150,11 +153,14 @@ def _kernel(q, k, v, dout, dlse, scale, lo, hi, dtype):
     return [_float64(x) for x in (out, lse, *grads)]
 
 
-def _plain(q, k, v, dout, dlse, scale, lo, hi, dtype):
+def _plain(q, k, v, dout, dlse, scale, lo, hi, dtype, segments=None):
     """jflash.reference in the plain dtype of the 2x rule."""
+    q_ids, kv_ids = segments or (None, None)
+
     def fn(q, k, v):
         return reference_band(q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi,
-                              dtype=plain_dtype(dtype))
+                              dtype=plain_dtype(dtype), q_segment_ids=q_ids,
+                              kv_segment_ids=kv_ids)
 
     args = [jnp.asarray(x, dtype) for x in (q, k, v)]
     (out, lse), vjp = jax.vjp(fn, *args)
@@ -178,7 +184,9 @@ def _assert_within_rule_where_finite(name, kernel, plain, truth, dtype):
     assert kernel_err <= bound, f"{name}: kernel error {kernel_err:.3g} > bound {bound:.3g}"
 
 
-def _check(rng, shape, head_dim, injection, *, scale=None, band=None, dtype=DTYPE):
+def _check(rng, shape, head_dim, injection, *, scale=None, band=None, dtype=DTYPE,
+           segments=None):
+    """segments: None, or NumPy (q ids [batch, seq_q], kv ids [batch, seq_k])."""
     batch, seq_q, seq_k, heads, heads_kv, causal, window = shape
     if band is None:
         lo, hi = clamp_band(seq_q, seq_k, *window_band(seq_q, seq_k, causal, window))
@@ -189,11 +197,11 @@ def _check(rng, shape, head_dim, injection, *, scale=None, band=None, dtype=DTYP
     # Round to the kernel's dtypes first: every pattern is of the same inputs.
     q, k, v, dout = (_float64(jnp.asarray(x, dtype)) for x in (q, k, v, dout))
     dlse = _float64(dlse)
-    visible = reference64.visible_mask(seq_q, seq_k, lo, hi)
+    visible = reference64.visible_mask(seq_q, seq_k, lo, hi, *(segments or (None, None)))
 
-    kernel = _kernel(q, k, v, dout, dlse, scale, lo, hi, dtype)
-    truth = [*reference64.forward(q, k, v, scale, lo, hi)[:2],
-             *reference64.backward(q, k, v, dout, dlse, scale, lo, hi)]
+    kernel = _kernel(q, k, v, dout, dlse, scale, lo, hi, dtype, segments)
+    truth = [*reference64.forward(q, k, v, scale, lo, hi, segments)[:2],
+             *reference64.backward(q, k, v, dout, dlse, scale, lo, hi, segments)]
     jax_nn = _jax_nn(q, k, v, dout, visible, scale)
     what = injection[0]
     for name, got, want, upper in zip(NAMES, kernel, truth, jax_nn):
@@ -208,12 +216,12 @@ def _check(rng, shape, head_dim, injection, *, scale=None, band=None, dtype=DTYP
     # Rows that see no key: out 0 and lse -inf, whatever the inputs hold; no
     # other lse is -inf or +inf.
     out, lse = kernel[0], kernel[1]
-    no_key = ~visible.any(-1)
-    assert np.all(out[:, no_key] == 0), "out of a row that sees no key"
-    assert np.array_equal(np.isneginf(lse), np.broadcast_to(no_key, lse.shape)), "lse -inf"
+    no_key = np.broadcast_to(~visible.any(-1), (batch, seq_q))
+    assert np.all(out[no_key] == 0), "out of a row that sees no key"
+    assert np.array_equal(np.isneginf(lse), np.broadcast_to(no_key[:, None], lse.shape)), "lse -inf"
     assert not np.isposinf(lse).any(), "lse +inf"
 
-    plain = _plain(q, k, v, dout, dlse, scale, lo, hi, dtype)
+    plain = _plain(q, k, v, dout, dlse, scale, lo, hi, dtype, segments)
     for name, got, p, t in zip(NAMES, kernel, plain, truth):
         _assert_within_rule_where_finite(name, got, p, t, dtype)
     return kernel, truth, jax_nn
@@ -233,6 +241,24 @@ def test_nan_pattern(rng, shape, injection, head_dim):
         assert cuda_forward_family(DTYPE, head_dim, shape != "full") in (80, 0)
         assert cuda_backward_family(DTYPE, head_dim, shape != "full") in (80, 0)
     _check(rng, SHAPES[shape], head_dim, INJECTIONS[injection])
+
+
+@pytest.mark.parametrize("injection", list(INJECTIONS), ids=str)
+def test_nan_pattern_with_segment_ids(rng, injection):
+    """Packed causal documents (one of one token); the third one's keys carry an
+    id of their own, so that its rows see no key and those keys no row. A NaN
+    reaches the rows and keys of its own document only, but for the tile limit."""
+    lengths = [1, 60, 39, 100]
+    q_ids = np.repeat(np.arange(4), lengths)[None]
+    kv_ids = np.where(q_ids == 2, 9, q_ids)
+    if on_gpu():
+        from jflash._src.ffi import cuda_backward_family, cuda_forward_family
+
+        if _sm80_env():
+            assert cuda_forward_family(DTYPE, 64, True, segments=True) in (80, 0)
+            assert cuda_backward_family(DTYPE, 64, True, segments=True) in (80, 0)
+    _check(rng, (1, 200, 200, 4, 2, True, None), 64, INJECTIONS[injection],
+           segments=(q_ids, kv_ids))
 
 
 def _reference_float32_on_cpu(q, k, v, dout, dlse, scale, lo, hi):

@@ -164,6 +164,35 @@ def test_gathering_shardings_are_correct(rng, case):
     _assert_equal_trees(grads, _grads(q, k, v, dout), tol)
 
 
+@pytest.mark.parametrize("case", ["batch+heads", "sequence"])
+def test_segment_ids_sharded(rng, case):
+    """Segment ids sharded like the batch: a batch- and heads-sharded call stays
+    partitioned with no collective; a sequence-sharded one (no context-parallel
+    form with segment ids) is gathered, and equal all the same."""
+    q, k, v, dout = _qkv(rng, heads_kv=4)
+    ids = jnp.asarray(rng.integers(0, 3, q.shape[:2]), jnp.int32)
+    spec = P("data", None, "model") if case == "batch+heads" else P("data", "model")
+    ids_spec = P("data") if case == "batch+heads" else P("data", "model")
+
+    def attend(q, k, v, ids):
+        return jflash.flash_attention(q, k, v, causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+
+    def loss(q, k, v, ids, dout):
+        return jnp.sum(attend(q, k, v, ids) * dout)
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))
+    mesh = _mesh()
+    args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+    args.append(jax.device_put(ids, NamedSharding(mesh, ids_spec)))
+    dout_sharded = jax.device_put(dout, NamedSharding(mesh, spec))
+    fwd = jax.jit(attend).lower(*args).compile()
+    bwd = jax.jit(grads).lower(*args, dout_sharded).compile()
+    if case == "batch+heads":
+        assert _collectives(fwd) == [] and _collectives(bwd) == []
+    _assert_equal_trees(fwd(*args), attend(q, k, v, ids))
+    _assert_equal_trees(bwd(*args, dout_sharded), grads(q, k, v, ids, dout))
+
+
 def test_vmap_of_sharded_call(rng):
     """jax.vmap over a sharded leading axis: still partitioned, still exact."""
     q, k, v, dout = _qkv(rng, batch=2, heads_kv=4)

@@ -13,6 +13,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jflash
 import reference64
+from jflash._src.ffi import BWD_TARGET, FWD_TARGET
 from checks import assert_within_rule, plain_dtype
 
 
@@ -36,7 +37,7 @@ def test_vmap_is_one_kernel_call(rng):
     attend = functools.partial(jflash.flash_attention, causal=True)
     batched = jax.jit(jax.vmap(jax.vmap(attend)))
     hlo = batched.lower(qs, ks, vs).compile().as_text()
-    assert _count(hlo, "jflash_fwd_v1") == 1
+    assert _count(hlo, FWD_TARGET) == 1
     assert "while" not in hlo  # not a sequential loop
 
     out = batched(qs, ks, vs)
@@ -98,8 +99,8 @@ def test_checkpoint_policy_can_save_out_and_lse(rng, policy, forward_calls):
     # Compiled HLO: jax.checkpoint's optimization barriers keep XLA from merging
     # a recomputed forward with the original, so the count is what remat did.
     hlo = grad_fn.lower(q, k, v).compile().as_text()
-    assert _count(hlo, "jflash_fwd_v1") == forward_calls
-    assert _count(hlo, "jflash_bwd_v3") == 1
+    assert _count(hlo, FWD_TARGET) == forward_calls
+    assert _count(hlo, BWD_TARGET) == 1
     unchecked = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(jflash.flash_attention(q, k, v, causal=True)) ** 2),
                                  argnums=(0, 1, 2)))
     for got, want in zip(grad_fn(q, k, v), unchecked(q, k, v)):

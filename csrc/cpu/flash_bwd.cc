@@ -113,24 +113,25 @@ JFLASH_INLINE void compute_ds(const float* p_t, float* dp_t, int k_pad, int q_pa
 // (or a NaN score of a key it does not see) leaves them 0. Returns whether
 // the tile was masked: then dS needs the same (mask_ds).
 template <class T, class Mask>
-JFLASH_INLINE bool probabilities(const BwdParams& params, int64_t q0, int q_rows, int q_pad,
-                                 int64_t k0, int k_rows, int k_pad, int d_pad,
-                                 const float* k_tile, const float* q_t, const float* lse_safe,
-                                 float* p_t) {
+JFLASH_INLINE bool probabilities(const BwdParams& params, const Mask& mask, int64_t q0,
+                                 int q_rows, int q_pad, int64_t k0, int k_rows, int k_pad,
+                                 int d_pad, const float* k_tile, const float* q_t,
+                                 const float* lse_safe, float* p_t) {
   gemm<T, Accumulate::kOverwrite>(k_pad, q_pad, d_pad, k_tile, d_pad, 1, q_t, q_pad, p_t, q_pad);
   recompute_p<T>(p_t, k_pad, q_pad, lse_safe);
-  const Mask mask(params.mask);
   const bool masked = tile_needs_mask(mask, q0, q_rows, k0, k_rows, k_pad);
-  if (masked) mask_tile(mask, params.seqlen_q, q0, q_pad, k0, k_rows, k_pad, 0.0f, p_t);
+  if (masked) {
+    mask_any_tile(mask, params.seqlen_q, q0, q_rows, q_pad, k0, k_rows, k_pad, 0.0f, p_t);
+  }
   return masked;
 }
 
 // dS^T = 0 on the masked elements of a tile that probabilities() masked: P is
 // 0 there, but dP - delta may be NaN (a NaN in v, a NaN row's delta).
 template <class Mask>
-JFLASH_INLINE void mask_ds(const BwdParams& params, int64_t q0, int q_pad, int64_t k0, int k_rows,
-                           int k_pad, float* ds_t) {
-  mask_tile(Mask(params.mask), params.seqlen_q, q0, q_pad, k0, k_rows, k_pad, 0.0f, ds_t);
+JFLASH_INLINE void mask_ds(const BwdParams& params, const Mask& mask, int64_t q0, int q_rows,
+                           int q_pad, int64_t k0, int k_rows, int k_pad, float* ds_t) {
+  mask_any_tile(mask, params.seqlen_q, q0, q_rows, q_pad, k0, k_rows, k_pad, 0.0f, ds_t);
 }
 
 JFLASH_INLINE TileRef q_tile_ref(const BwdParams& params, int64_t batch, int64_t head, int64_t q0) {
@@ -164,8 +165,8 @@ JFLASH_INLINE void load_kv(const BwdParams& params, int64_t batch, int64_t kv_he
 
 template <class T, class Mask>
 JFLASH_INLINE void dkdv_block(const BwdParams& params, int64_t task) {
-  static_assert(!Mask::kEmptyTilesInRange, "the query loop visits every tile of the row range");
   constexpr int block_q = T::kBwdBlockQ;
+  static_assert(block_q <= kMaxTileRows);
   constexpr int block_k = T::kBwdBlockK;
   // Natural order: under a causal mask the first key blocks are seen by the
   // most queries, so the longest tasks are handed out first.
@@ -196,13 +197,15 @@ JFLASH_INLINE void dkdv_block(const BwdParams& params, int64_t task) {
   std::fill(dk, dk + k_pad * d_pad, 0.0f);
   std::fill(dv, dv + k_pad * d_pad, 0.0f);
 
-  // Queries outside [q_begin, q_end) see none of these keys.
-  const auto [q_begin, q_end] =
-      Mask(params.mask).rows_of_keys(k0, k0 + k_rows, params.seqlen_q);
+  // Queries outside [q_begin, q_end) see none of these keys; blocks inside it
+  // that see none (segment ids) are skipped.
+  const Mask mask(params.mask, static_cast<int>(batch));
+  const auto [q_begin, q_end] = mask.rows_of_keys(k0, k0 + k_rows, params.seqlen_q);
   for (int64_t head = kv_head * params.heads_per_kv; head < (kv_head + 1) * params.heads_per_kv;
        ++head) {
     for (int64_t q0 = q_begin; q0 < q_end; q0 += block_q) {
       const int q_rows = static_cast<int>(std::min<int64_t>(block_q, q_end - q0));
+      if (tile_is_empty(mask, q0, q_rows, k0, k_rows)) continue;
       const int q_pad = round_up(q_rows, T::kAlign);
       const TileRef q_ref = q_tile_ref(params, batch, head, q0);
       const TileRef do_ref = dout_tile_ref(params, batch, head, q0);
@@ -213,15 +216,15 @@ JFLASH_INLINE void dkdv_block(const BwdParams& params, int64_t task) {
       load_tile_transposed(do_ref, q_rows, head_dim, q_pad, d_pad, 1.0f, do_t, q_pad);
       load_row_stats(params, batch, head, q0, q_rows, q_pad, lse_safe, delta);
 
-      const bool masked = probabilities<T, Mask>(params, q0, q_rows, q_pad, k0, k_rows, k_pad,
-                                                 d_pad, k_tile, q_t, lse_safe, p_t);
+      const bool masked = probabilities<T>(params, mask, q0, q_rows, q_pad, k0, k_rows, k_pad,
+                                           d_pad, k_tile, q_t, lse_safe, p_t);
       // dV += P^T dO: [k_pad, d_pad]
       gemm<T, Accumulate::kAdd>(k_pad, d_pad, q_pad, p_t, q_pad, 1, do_tile, d_pad, dv, d_pad);
       // dP^T = V dO^T: [k_pad, q_pad]
       gemm<T, Accumulate::kOverwrite>(k_pad, q_pad, d_pad, v_tile, d_pad, 1, do_t, q_pad, ds_t,
                                       q_pad);
       compute_ds<T>(p_t, ds_t, k_pad, q_pad, delta);
-      if (masked) mask_ds<Mask>(params, q0, q_pad, k0, k_rows, k_pad, ds_t);
+      if (masked) mask_ds(params, mask, q0, q_rows, q_pad, k0, k_rows, k_pad, ds_t);
       // dK += dS^T (scale Q) = scale dS^T Q: [k_pad, d_pad]
       gemm<T, Accumulate::kAdd>(k_pad, d_pad, q_pad, ds_t, q_pad, 1, q_tile, d_pad, dk, d_pad);
     }
@@ -239,7 +242,6 @@ JFLASH_INLINE void dkdv_block(const BwdParams& params, int64_t task) {
 
 template <class T, class Mask>
 JFLASH_INLINE void dq_block(const BwdParams& params, int64_t task) {
-  static_assert(!Mask::kEmptyTilesInRange, "the key loop visits every tile of the key range");
   constexpr int block_q = T::kBwdBlockQ;
   constexpr int block_k = T::kBwdBlockK;
   const auto [batch, head, kv_head, q0, q_rows] = query_block_task(params, task, block_q);
@@ -265,19 +267,20 @@ JFLASH_INLINE void dq_block(const BwdParams& params, int64_t task) {
   load_row_stats(params, batch, head, q0, q_rows, q_pad, lse_safe, delta);
   std::fill(dq, dq + q_pad * d_pad, 0.0f);
 
-  const auto [key_begin, key_end] =
-      Mask(params.mask).keys_of_rows(q0, q0 + q_rows, params.seqlen_k);
+  const Mask mask(params.mask, static_cast<int>(batch));
+  const auto [key_begin, key_end] = mask.keys_of_rows(q0, q0 + q_rows, params.seqlen_k);
   for (int64_t k0 = key_begin; k0 < key_end; k0 += block_k) {
     const int k_rows = static_cast<int>(std::min<int64_t>(block_k, key_end - k0));
+    if (tile_is_empty(mask, q0, q_rows, k0, k_rows)) continue;
     const int k_pad = round_up(k_rows, T::kRows);
     load_kv(params, batch, kv_head, k0, k_rows, k_pad, d_pad, k_tile, v_tile);
-    const bool masked = probabilities<T, Mask>(params, q0, q_rows, q_pad, k0, k_rows, k_pad,
-                                               d_pad, k_tile, q_t, lse_safe, p_t);
+    const bool masked = probabilities<T>(params, mask, q0, q_rows, q_pad, k0, k_rows, k_pad,
+                                         d_pad, k_tile, q_t, lse_safe, p_t);
     // dP^T = V dO^T: [k_pad, q_pad]
     gemm<T, Accumulate::kOverwrite>(k_pad, q_pad, d_pad, v_tile, d_pad, 1, do_t, q_pad, ds_t,
                                     q_pad);
     compute_ds<T>(p_t, ds_t, k_pad, q_pad, delta);
-    if (masked) mask_ds<Mask>(params, q0, q_pad, k0, k_rows, k_pad, ds_t);
+    if (masked) mask_ds(params, mask, q0, q_rows, q_pad, k0, k_rows, k_pad, ds_t);
     // dQ += dS K: [q_pad, d_pad]; a(i, j) = ds_t[j][i]. softmax_scale at the store.
     gemm<T, Accumulate::kAdd>(q_pad, d_pad, k_pad, ds_t, 1, q_pad, k_tile, d_pad, dq, d_pad);
   }
@@ -304,6 +307,7 @@ JFLASH_INLINE void bwd_task(const BwdParams& params, MaskKind mask, BwdPass pass
   switch (mask) {
     case MaskKind::kNone: return bwd_pass<T, NoMask>(params, pass, task);
     case MaskKind::kBand: return bwd_pass<T, BandMask>(params, pass, task);
+    case MaskKind::kSegments: return bwd_pass<T, SegmentMask>(params, pass, task);
   }
 }
 

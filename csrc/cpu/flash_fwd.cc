@@ -50,8 +50,8 @@ JFLASH_INLINE void softmax_update(float* s_t, int k_pad, int q_pad, float* row_m
 
 template <class T, class Mask>
 JFLASH_INLINE void fwd_block(const FwdParams& params, int64_t task) {
-  static_assert(!Mask::kEmptyTilesInRange, "the key loop visits every tile of the key range");
   constexpr int block_q = T::kFwdBlockQ;
+  static_assert(block_q <= kMaxTileRows);
   constexpr int block_k = T::kFwdBlockK;
   const auto [batch, head, kv_head, q0, q_rows] = query_block_task(params, task, block_q);
   const int q_pad = round_up(q_rows, T::kAlign);
@@ -78,11 +78,15 @@ JFLASH_INLINE void fwd_block(const FwdParams& params, int64_t task) {
   std::fill(row_max, row_max + q_pad, kNegInf);
   std::fill(row_sum, row_sum + q_pad, 0.0f);
 
-  // Keys outside [key_begin, key_end) are masked for every query of the block.
-  const Mask mask(params.mask);
+  // Keys outside [key_begin, key_end) are masked for every query of the block;
+  // tiles inside it that no query sees (segment ids) are skipped.
+  const Mask mask(params.mask, static_cast<int>(batch));
+  // Segment ids: which rows have seen a key (row_keys is only a hull there).
+  uint8_t seen[block_q] = {};
   const auto [key_begin, key_end] = mask.keys_of_rows(q0, q0 + q_rows, params.seqlen_k);
   for (int64_t k0 = key_begin; k0 < key_end; k0 += block_k) {
     const int k_rows = static_cast<int>(std::min<int64_t>(block_k, key_end - k0));
+    if (tile_is_empty(mask, q0, q_rows, k0, k_rows)) continue;
     const int k_pad = round_up(k_rows, T::kRows);
     const int64_t k_offset = batch * params.k_batch_stride + k0 * params.k_row_stride +
                              kv_head * params.k_head_stride;
@@ -97,7 +101,10 @@ JFLASH_INLINE void fwd_block(const FwdParams& params, int64_t task) {
     gemm<T, Accumulate::kOverwrite>(k_pad, q_pad, d_pad, k_tile, d_pad, 1, q_t, q_pad, s_t,
                                     q_pad);
     if (tile_needs_mask(mask, q0, q_rows, k0, k_rows, k_pad)) {
-      mask_tile(mask, params.seqlen_q, q0, q_pad, k0, k_rows, k_pad, kNegInf, s_t);
+      mask_any_tile(mask, params.seqlen_q, q0, q_rows, q_pad, k0, k_rows, k_pad, kNegInf, s_t,
+                    seen);
+    } else if constexpr (Mask::kHasSegments) {
+      std::fill(seen, seen + q_rows, uint8_t{1});
     }
     softmax_update<T>(s_t, k_pad, q_pad, row_max, row_sum, row_rescale);
     // O = rescale * O + P V: [q_pad, d_pad]; a(i, j) = p_t[j][i].
@@ -113,7 +120,8 @@ JFLASH_INLINE void fwd_block(const FwdParams& params, int64_t task) {
   for (int i = 0; i < q_rows; ++i) {
     float* o_row = o + i * d_pad;
     const IndexRange keys = mask.row_keys(q0 + i, params.seqlen_k);
-    if (keys.begin >= keys.end) {
+    const bool no_key = Mask::kHasSegments ? !seen[i] : keys.begin >= keys.end;
+    if (no_key) {
       lse[i] = kNegInf;
       std::fill(o_row, o_row + head_dim, 0.0f);  // O may hold 0 * NaN of a NaN in v
       continue;
@@ -134,6 +142,7 @@ JFLASH_INLINE void fwd_task(const FwdParams& params, MaskKind mask, int64_t task
   switch (mask) {
     case MaskKind::kNone: return fwd_block<T, NoMask>(params, task);
     case MaskKind::kBand: return fwd_block<T, BandMask>(params, task);
+    case MaskKind::kSegments: return fwd_block<T, SegmentMask>(params, task);
   }
 }
 

@@ -322,6 +322,69 @@ JFLASH_INLINE void mask_tile(const Mask& mask, int64_t seqlen_q, int64_t q0, int
   }
 }
 
+// The most query rows of a tile (the largest block_q of the table above).
+constexpr int kMaxTileRows = 128;
+
+// mask_tile for a policy with segment ids (kHasSegments), whose visible rows of
+// a key are not one range: t[j][i] = value where query q0 + i cannot see key
+// k0 + j (the band, the ids), for rows past q_rows and for padding keys
+// (k_rows <= j < k_pad). seen[i] (i < q_rows) is set where row i sees a key
+// of the tile: whether a row sees any key is not a range question here.
+template <class Mask>
+JFLASH_INLINE void mask_tile_elements(const Mask& mask, int64_t q0, int q_rows, int q_pad,
+                                      int64_t k0, int k_rows, int k_pad, float value, float* t,
+                                      uint8_t* seen) {
+  static_assert(Mask::kHasSegments);
+  int32_t row_ids[kMaxTileRows];
+  for (int i = 0; i < q_rows; ++i) row_ids[i] = mask.row_segment(q0 + i);
+  for (int j = 0; j < k_pad; ++j) {
+    float* row = t + int64_t{j} * q_pad;
+    if (j >= k_rows) {
+      std::fill(row, row + q_pad, value);
+      continue;
+    }
+    const int64_t key = k0 + j;
+    const int32_t key_id = mask.key_segment(key);
+    for (int i = 0; i < q_rows; ++i) {
+      const bool visible = row_ids[i] == key_id && mask.in_band(q0 + i, key);
+      if (visible) {
+        if (seen != nullptr) seen[i] = 1;
+      } else {
+        row[i] = value;
+      }
+    }
+    std::fill(row + q_rows, row + q_pad, value);
+  }
+}
+
+// Applies the mask to a tile that tile_needs_mask says needs it: mask_tile, or
+// mask_tile_elements for segment ids (seen: as there; null where not wanted).
+template <class Mask>
+JFLASH_INLINE void mask_any_tile(const Mask& mask, int64_t seqlen_q, int64_t q0, int q_rows,
+                                 int q_pad, int64_t k0, int k_rows, int k_pad, float value,
+                                 float* t, uint8_t* seen = nullptr) {
+  if constexpr (Mask::kHasSegments) {
+    mask_tile_elements(mask, q0, q_rows, q_pad, k0, k_rows, k_pad, value, t, seen);
+  } else {
+    (void)q_rows;
+    (void)seen;
+    mask_tile(mask, seqlen_q, q0, q_pad, k0, k_rows, k_pad, value, t);
+  }
+}
+
+// Whether a tile inside a block's key (row) range holds no visible element,
+// so that the loops skip it: possible only for a policy with kEmptyTilesInRange.
+template <class Mask>
+JFLASH_INLINE bool tile_is_empty(const Mask& mask, int64_t q0, int q_rows, int64_t k0,
+                                 int k_rows) {
+  if constexpr (Mask::kEmptyTilesInRange) {
+    return mask.tile_class(q0, q0 + q_rows, k0, k0 + k_rows) == TileClass::kEmpty;
+  } else {
+    (void)mask, (void)q0, (void)q_rows, (void)k0, (void)k_rows;
+    return false;
+  }
+}
+
 // ---- Element formats and tile loads / stores ------------------------------------------
 
 JFLASH_INLINE float bits_to_float(uint32_t bits) {

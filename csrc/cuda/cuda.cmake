@@ -7,8 +7,9 @@
 #                     all  every (direction, dtype, head dim, mask): 64 files, 32
 #                          of the 99 KB tile column (flash_*_small_*), and 12 of
 #                          the Hopper forward when 90a is a target;
-#                     ci   bfloat16, head dim 128, both masks, both directions: 4 files,
-#                          the 2 of the 99 KB backward, the 2 Hopper forward files;
+#                     ci   bfloat16, head dim 128, the full and band masks, both directions:
+#                          4 files, the 2 of the 99 KB backward, the 4 Hopper files (no
+#                          segment-id kernels: "segments" selects those);
 #                     otherwise a comma (or semicolon) list of name fragments, and an
 #                     instantiation is compiled when its file name contains one
 #                     (e.g. "bf16_hdim64,fp16_hdim128_full").
@@ -42,7 +43,7 @@ file(GLOB _all_instantiations CONFIGURE_DEPENDS "${CMAKE_CURRENT_LIST_DIR}/insta
 if(JFLASH_CUDA_SUBSET STREQUAL "all")
   set(_fragments "flash_")
 elseif(JFLASH_CUDA_SUBSET STREQUAL "ci")
-  set(_fragments "bf16_hdim128_")
+  set(_fragments "bf16_hdim128_full;bf16_hdim128_band")
 else()
   string(REPLACE "," ";" _fragments "${JFLASH_CUDA_SUBSET}")
 endif()

@@ -49,8 +49,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   const int key0 = n_block * kBlockN;
   // The (query head, query block) pairs whose rows see this CTA's keys.
-  const Mask mask(params.mask);
-  const KeyBlockSteps<kBlockM, kBlockN, Mask> steps(params, n_block, kv_head);
+  const Mask mask(params.mask, batch);
+  const KeyBlockSteps<kBlockM, kBlockN, Mask> steps(params, n_block, kv_head, batch);
   const int num_steps = steps.num_steps;
   static_assert(kBlockM >= kDqSemaphoreRows);  // deterministic mode's counters fit
 
@@ -196,11 +196,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     steps.unit(step, head, m_block);
     return dq_semaphore_at(params, batch, head, m_block, 0, 1);
   };
+  using Visibility = SegmentVisibility<kRows, decltype(size<1>(tScS_rc))::value>;
   for (int step = 0; step < num_steps; ++step) {
     int head, m_block;
     steps.unit(step, head, m_block);
     const int row0 = m_block * kBlockM;
     const int64_t row_offset = (int64_t{batch} * params.num_heads + head) * params.seqlen_q;
+    // Segment ids: the tile's class and its visible elements, before the
+    // products (the ids are dead by the time S and dP are live). Rows past
+    // seqlen_q and keys past the band's last (key_limit, below) are masked.
+    bool seg_needs_mask = false;
+    typename Visibility::Bits seg_visible = 0;
+    if constexpr (Mask::kHasSegments) {
+      seg_needs_mask = key0 + kBlockN > params.seqlen_k ||
+                       mask.tile_class(row0, min(row0 + kBlockM, params.seqlen_q), key0,
+                                       key0 + kBlockN) != TileClass::kFull;
+      if (seg_needs_mask) {
+        const int key_limit =
+            static_cast<int>(mask.band().keys_of_rows(0, params.seqlen_q, params.seqlen_k).end);
+        seg_visible = Visibility(mask, tScS_rc, row0, key0, params.seqlen_q, key_limit).bits;
+      }
+    }
 
     // lse (log2 domain) and delta of this thread's rows. Rows past the end and
     // rows that saw no key in the forward (lse = -inf) get lse = +inf: P = 0
@@ -242,14 +258,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // v (dP NaN) cannot turn into NaN. The last key here is the last one that
     // some row sees (key_limit): a band may let rows past seqlen_q (zeros, lse
     // = +inf) see keys that no row sees, and their scores are NaN where k is.
+    // (Segment ids: computed above, with the band's limit, rows past seqlen_q
+    // masked too.)
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
     const bool needs_mask =
-        key0 + kBlockN > params.seqlen_k ||
-        mask.tile_class(row0, min(row0 + kBlockM, params.seqlen_q), key0, key0 + kBlockN) !=
-            TileClass::kFull;
+        Mask::kHasSegments
+            ? seg_needs_mask
+            : key0 + kBlockN > params.seqlen_k ||
+                  mask.tile_class(row0, min(row0 + kBlockM, params.seqlen_q), key0,
+                                  key0 + kBlockN) != TileClass::kFull;
     const int key_limit =
-        static_cast<int>(mask.keys_of_rows(0, params.seqlen_q, params.seqlen_k).end);
+        static_cast<int>(mask.band().keys_of_rows(0, params.seqlen_q, params.seqlen_k).end);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
@@ -259,7 +279,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (needs_mask) {
           const int row = row0 + get<0>(tScS_rc(r, c));
           const int col = key0 + get<1>(tScS_rc(r, c));
-          const bool visible = col < key_limit && mask.visible(int64_t{row}, int64_t{col});
+          const bool visible = Mask::kHasSegments
+                                   ? Visibility(seg_visible)(r, c)
+                                   : col < key_limit && mask.visible(int64_t{row}, int64_t{col});
           if (!visible) {
             p = 0.f;
             ds = 0.f;
@@ -301,7 +323,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // Deterministic mode: the earlier key blocks of this query block add first.
     if (steps.ordered()) {
       if (tidx == 0) {
-        dq_semaphore_wait(step_dq_semaphore(step), n_block - steps.first_key_block(params, m_block));
+        dq_semaphore_wait(step_dq_semaphore(step), n_block - steps.first_key_block(params, m_block, batch));
       }
       __syncthreads();
     }

@@ -95,7 +95,6 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams pa
 // its predecessor instead of a chain of waits.
 template <int kBlockM, int kBlockN, typename Mask>
 struct KeyBlockSteps {
-  static_assert(!Mask::kEmptyTilesInRange, "every query block of the row range is a step");
 
   int m_block_begin;
   int num_m_blocks;
@@ -106,11 +105,17 @@ struct KeyBlockSteps {
   int step_shift;
 
   __device__ __forceinline__ KeyBlockSteps(const BwdParams& params, int n_block, int kv_head,
-                                           int split = 0, int splits = 1) {
+                                           int batch, int split = 0, int splits = 1) {
     const int key0 = n_block * kBlockN;
     const int key_end = min(key0 + kBlockN, params.seqlen_k);
-    const BlockSpan m_blocks =
-        blocks_covering<kBlockM>(Mask(params.mask).rows_of_keys(key0, key_end, params.seqlen_q));
+    const Mask mask(params.mask, batch);
+    IndexRange rows = mask.rows_of_keys(key0, key_end, params.seqlen_q);
+    if constexpr (Mask::kEmptyTilesInRange) {
+      // Deterministic mode orders by the band's ranges (first_key_block); the
+      // tiles in them that the policy leaves empty are computed fully masked.
+      if (params.dq_semaphore != nullptr) rows = mask.band().rows_of_keys(key0, key_end, params.seqlen_q);
+    }
+    const BlockSpan m_blocks = blocks_covering<kBlockM>(rows);
     m_block_begin = m_blocks.first;
     num_m_blocks = m_blocks.count;
     const int heads = params.heads_per_kv / splits;
@@ -140,10 +145,14 @@ struct KeyBlockSteps {
   // first key that the block's first row sees (rows see keys from further
   // right as they go down). Every key block from it to one that visits
   // m_block visits it too: a key block's row range only grows with it.
-  __device__ __forceinline__ static int first_key_block(const BwdParams& params, int m_block) {
+  // Under segment ids (kEmptyTilesInRange) the band's: a CTA's steps in
+  // deterministic mode are then the band's as well, whose query-block ranges
+  // grow with the key block as this needs (the policy's own need not).
+  __device__ __forceinline__ static int first_key_block(const BwdParams& params, int m_block,
+                                                        int batch) {
     const int64_t row0 = int64_t{m_block} * kBlockM;
-    return static_cast<int>(Mask(params.mask).keys_of_rows(row0, row0 + 1, params.seqlen_k).begin /
-                            kBlockN);
+    const auto band = Mask(params.mask, batch).band();
+    return static_cast<int>(band.keys_of_rows(row0, row0 + 1, params.seqlen_k).begin / kBlockN);
   }
 };
 

@@ -31,7 +31,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
-  static_assert(!Mask::kEmptyTilesInRange, "the key loop visits every tile of the key range");
+  // Tiles of the key range that the policy finds empty (segment ids) are
+  // computed fully masked: they add nothing.
 
   extern __shared__ __align__(128) char smem[];
   const int m_block = blockIdx.x;
@@ -43,7 +44,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Query rows [row_begin, row_end) of this CTA and the key blocks they can see.
   const int row_begin = m_block * kBlockM;
   const int row_end = min(row_begin + kBlockM, params.seqlen_q);
-  const Mask mask(params.mask);
+  const Mask mask(params.mask, batch);
   const IndexRange keys = mask.keys_of_rows(row_begin, row_end, params.seqlen_k);
   const int key_begin = static_cast<int>(keys.begin);
   const int key_end = static_cast<int>(keys.end);
@@ -117,10 +118,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kRows = decltype(size<0>(o_rc))::value;  // query rows this thread holds
   float row_max[kRows];  // running max of the scaled (log2-domain) scores
   float row_sum[kRows];  // running sum of exp2(score - row_max), this thread's columns only
+  // Segment ids: whether the row saw a visible key in this thread's columns.
+  bool row_seen[Mask::kHasSegments ? kRows : 1];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     row_max[r] = -INFINITY;
     row_sum[r] = 0.f;
+    if constexpr (Mask::kHasSegments) row_seen[r] = false;
   }
   clear(acc_o);
 
@@ -130,8 +134,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     cp_async_fence();
   }
 
+  using Visibility = SegmentVisibility<kRows, decltype(size<1>(tScS_rc))::value>;
   for (int n_block = n_block_begin; n_block < n_block_end; ++n_block) {
     const int key0 = n_block * kBlockN;
+    // Segment ids: the tile's class and its visible scores, before the product
+    // (the ids are dead by the time S is live).
+    bool seg_needs_mask = false;
+    typename Visibility::Bits seg_visible = 0;
+    if constexpr (Mask::kHasSegments) {
+      seg_needs_mask = key0 + kBlockN > params.seqlen_k ||
+                       mask.tile_class(row_begin, row_end, key0, key0 + kBlockN) != TileClass::kFull;
+      if (seg_needs_mask) {
+        seg_visible = Visibility(mask, tScS_rc, row_begin, key0, params.seqlen_q, params.seqlen_k).bits;
+      }
+    }
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
     cp_async_wait<0>();
@@ -148,10 +164,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     CUTE_UNROLL
     for (int i = 0; i < size(s); ++i) s(i) *= params.softmax_scale_log2;
-    const bool needs_mask =
-        key0 + kBlockN > params.seqlen_k ||
-        mask.tile_class(row_begin, row_end, key0, key0 + kBlockN) != TileClass::kFull;
-    if (needs_mask) {
+    if constexpr (Mask::kHasSegments) {
+      if (seg_needs_mask) {
+        const Visibility visible{seg_visible};
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s); ++c) {
+            if (!visible(r, c)) s(r, c) = -INFINITY;
+          }
+          row_seen[r] |= visible.any_in_row(r);
+        }
+      } else {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) row_seen[r] = true;
+      }
+    } else if (key0 + kBlockN > params.seqlen_k ||
+               mask.tile_class(row_begin, row_end, key0, key0 + kBlockN) != TileClass::kFull) {
       CUTE_UNROLL
       for (int i = 0; i < size(s); ++i) {
         const int row = row_begin + get<0>(tScS_rc(i));
@@ -218,7 +247,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       params.lse + (int64_t(batch) * params.num_heads + head) * params.seqlen_q,
       static_cast<Element*>(params.out) + batch * params.out_batch_stride +
           head * params.out_head_stride,
-      params.out_row_stride);
+      params.out_row_stride, row_seen);
 }
 
 template <typename Element, int kHeadDim, typename Mask, SmemClass kSmem = SmemClass::kLarge>

@@ -14,16 +14,20 @@ import pathlib
 import re
 
 
-def _kernel_head_dims() -> tuple[int, ...]:
-    """kKernelHeadDims of csrc/include/jflash/head_dims.h, the one list."""
+def _head_dims(name: str) -> tuple[int, ...]:
+    """A head-dim list of csrc/include/jflash/head_dims.h (kKernelHeadDims, the one
+    list, or kSegmentHeadDims)."""
     header = pathlib.Path(__file__).resolve().parents[1] / "include" / "jflash" / "head_dims.h"
-    match = re.search(r"kKernelHeadDims\[\]\s*=\s*\{([^}]*)\}", header.read_text())
+    match = re.search(name + r"\[\]\s*=\s*\{([^}]*)\}", header.read_text())
     if match is None:
-        raise SystemExit(f"no kKernelHeadDims initializer in {header}")
+        raise SystemExit(f"no {name} initializer in {header}")
     return tuple(int(d) for d in match.group(1).split(","))
 
 
-HEAD_DIMS = _kernel_head_dims()
+HEAD_DIMS = _head_dims("kKernelHeadDims")
+# The segment-id kernels (SegmentMask) exist for these head dims only (build
+# time); jflash pads the head dims of calls with segment ids up to them.
+SEGMENT_HEAD_DIMS = _head_dims("kSegmentHeadDims")
 DTYPES = {
     "fp16": ("cutlass::half_t", "kFloat16"),
     "bf16": ("cutlass::bfloat16_t", "kBFloat16"),
@@ -31,8 +35,12 @@ DTYPES = {
 # The mask policies of csrc/include/jflash/mask.h, one instantiation each:
 # name in the file name: (policy type, MaskKind). "full": NoMask, for calls whose
 # band removes nothing (only the sequence-end residual is masked); "band":
-# BandMask, any other band, causal and windows included.
-MASKS = {"full": ("NoMask", "kNone"), "band": ("BandMask", "kBand")}
+# BandMask, any other band, causal and windows included; "segments":
+# SegmentMask, calls with segment ids (any band), for SEGMENT_HEAD_DIMS only and
+# the directions in SEGMENT_DIRECTIONS.
+MASKS = {"full": ("NoMask", "kNone"), "band": ("BandMask", "kBand"),
+         "segments": ("SegmentMask", "kSegments")}
+SEGMENT_DIRECTIONS = ("fwd", "bwd", "fwd_small", "bwd_small")
 # direction: (header, registration expression, head dims)
 DIRECTIONS = {
     "fwd": (
@@ -117,6 +125,9 @@ def main() -> None:
         for dtype, (element, dtype_enum) in DTYPES.items():
             for head_dim in head_dims:
                 for mask, (mask_policy, mask_kind) in MASKS.items():
+                    if mask == "segments" and (direction not in SEGMENT_DIRECTIONS
+                                               or head_dim not in SEGMENT_HEAD_DIMS):
+                        continue
                     name = instantiation_name(direction, dtype, head_dim, mask) + ".cu"
                     wanted.add(name)
                     text = TEMPLATE.format(

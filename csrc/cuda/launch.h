@@ -131,7 +131,7 @@ inline void* advance(void* ptr, int64_t elements, DType dtype) {
 
 // The forward's params for a chunk of query heads (for_each_grid_chunk with
 // head_group = heads_per_kv): q, k, v, out and lse start at the chunk's first
-// (batch, head), batch is the chunk's. num_heads and heads_per_kv stay the
+// (batch, head), the segment ids at its first batch, batch is the chunk's. num_heads and heads_per_kv stay the
 // call's: the kernel reads num_heads as the batch stride of lse, in heads.
 inline FwdParams fwd_params_chunk(const FwdParams& p, const GridChunk& c) {
   FwdParams chunk = p;
@@ -141,6 +141,7 @@ inline FwdParams fwd_params_chunk(const FwdParams& p, const GridChunk& c) {
   chunk.v = advance(p.v, b * p.v_batch_stride + kv * p.v_head_stride, p.dtype);
   chunk.out = advance(p.out, b * p.out_batch_stride + h * p.out_head_stride, p.dtype);
   chunk.lse = p.lse + (b * p.num_heads + h) * p.seqlen_q;
+  chunk.mask.segments = p.mask.segments.from_batch(b);
   chunk.batch = c.batches;
   return chunk;
 }
@@ -170,6 +171,7 @@ inline BwdParams bwd_params_chunk(const BwdParams& p, const GridChunk& c) {
   if (p.dq_semaphore != nullptr) {
     chunk.dq_semaphore = p.dq_semaphore + (b * p.num_heads + h) * dq_semaphore_slots(p.seqlen_q);
   }
+  chunk.mask.segments = p.mask.segments.from_batch(b);
   chunk.batch = c.batches;
   return chunk;
 }

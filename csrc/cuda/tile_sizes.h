@@ -18,6 +18,9 @@
 //     when the device's limit is below the kLarge kernel's need.
 #pragma once
 
+#include "jflash/head_dims.h"
+#include "jflash/mask.h"
+
 namespace jflash::cuda {
 
 enum class SmemClass { kLarge, kSmall };
@@ -268,5 +271,27 @@ constexpr Sm90BwdTile sm90_bwd_tile(int head_dim) {
     default: return {0, 0, 0};
   }
 }
+
+// Segment ids are summarized per kSegmentBlock rows and keys (jflash/mask.h):
+// the block divides the rows and keys of every tile above of the head dims
+// with segment kernels, so that a tile's summary is exactly that of its blocks.
+constexpr bool segment_block_divides_tiles() {
+  for (int d : kSegmentHeadDims) {
+    for (SmemClass c : {SmemClass::kLarge, SmemClass::kSmall}) {
+      const FwdTile f = fwd_tile(d, c);
+      const BwdTile b = bwd_tile(d, c);
+      if (f.block_m % kSegmentBlock || f.block_n % kSegmentBlock) return false;
+      if (b.block_m % kSegmentBlock || b.block_n % kSegmentBlock) return false;
+    }
+    for (const Sm90FwdTile& t : {sm90_fwd_tile(d), sm90_fwd_tile_short_band(d)}) {
+      if (t.block_m % kSegmentBlock || t.block_n % kSegmentBlock) return false;
+    }
+    const Sm90BwdTile t = sm90_bwd_tile(d);
+    if (t.block_m % kSegmentBlock || t.block_n % kSegmentBlock) return false;
+  }
+  return true;
+}
+static_assert(segment_block_divides_tiles(),
+              "kSegmentBlock must divide the tiles of the segment head dims");
 
 }  // namespace jflash::cuda

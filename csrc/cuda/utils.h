@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/array.h>
@@ -141,6 +143,60 @@ __device__ __forceinline__ void copy_rows(TiledCopy const& tiled_copy, TensorG c
   }
 }
 
+// Which of a thread's scores of a tile are visible under segment ids
+// (Mask::kHasSegments), as bits (bit r * kCols + c of the (rows, cols) view):
+// the rows' and keys' ids are loaded once and compared here, before the
+// products, so that the ids are dead by the time the accumulators of the tile
+// are live and only these bits stay. c_rc: the (row, col) coordinates of the
+// thread's scores in the tile, whose rows start at row0 and keys at key0
+// (kKeysAlongRows: the transposed tile S^T, keys along its rows). Rows at or
+// past row_limit and keys at or past key_limit are not visible (their ids are
+// not read).
+template <int kRows, int kCols, bool kKeysAlongRows = false>
+struct SegmentVisibility {
+  static_assert(kRows * kCols <= 64);
+  using Bits = std::conditional_t<(kRows * kCols <= 32), uint32_t, uint64_t>;
+  Bits bits;
+
+  __device__ __forceinline__ explicit SegmentVisibility(Bits bits_) : bits(bits_) {}
+  template <typename Mask, typename CoordRowCol>
+  __device__ __forceinline__ SegmentVisibility(const Mask& mask, const CoordRowCol& c_rc, int row0,
+                                               int key0, int row_limit, int key_limit) {
+    int32_t col_id[kCols];
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      const int j = (kKeysAlongRows ? row0 : key0) + get<1>(c_rc(0, c));
+      const bool in = kKeysAlongRows ? j < row_limit : j < key_limit;
+      col_id[c] = !in ? 0 : (kKeysAlongRows ? mask.row_segment(j) : mask.key_segment(j));
+    }
+    bits = 0;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int i = (kKeysAlongRows ? key0 : row0) + get<0>(c_rc(r, 0));
+      const bool row_in = kKeysAlongRows ? i < key_limit : i < row_limit;
+      const int32_t row_id =
+          !row_in ? 0 : (kKeysAlongRows ? mask.key_segment(i) : mask.row_segment(i));
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        const int j = (kKeysAlongRows ? row0 : key0) + get<1>(c_rc(r, c));
+        const int row = kKeysAlongRows ? j : i;
+        const int key = kKeysAlongRows ? i : j;
+        const bool col_in = kKeysAlongRows ? j < row_limit : j < key_limit;
+        const bool visible = row_in && col_in && row_id == col_id[c] &&
+                             mask.in_band(int64_t{row}, int64_t{key});
+        bits |= Bits{visible} << (r * kCols + c);
+      }
+    }
+  }
+  __device__ __forceinline__ bool operator()(int r, int c) const {
+    return (bits >> (r * kCols + c)) & 1;
+  }
+  // Whether row r holds a visible score.
+  __device__ __forceinline__ bool any_in_row(int r) const {
+    return (bits >> (r * kCols)) & ((Bits{1} << kCols) - 1);
+  }
+};
+
 // The forward epilogue's arithmetic, shared by the sm80 and the Hopper
 // kernels: O /= rowsum and lse = max + ln(sum) (natural log; row_max is in the
 // log2 domain) for the query rows this thread holds. A row that sees no key
@@ -149,19 +205,28 @@ __device__ __forceinline__ void copy_rows(TiledCopy const& tiled_copy, TensorG c
 // lse NaN: the sum is NaN (a NaN or +inf score), or 0 (every score -inf: O /
 // sum = 0 / 0). o_rc and c_o_rc view the output accumulator and its (row, col)
 // coordinates as (rows, cols); rows at or past seqlen_q get no lse;
-// writes_lse picks one thread of the quad per row.
+// writes_lse picks one thread of the quad per row. Under segment ids
+// (Mask::kHasSegments) row_keys is only a hull, and row_seen[r] says whether
+// row r saw a visible key in this thread's columns of the tiles (the quad's
+// four threads together hold the row).
 template <int kRows, typename AccORowCol, typename CoordORowCol, typename Mask>
 __device__ __forceinline__ void normalize_output(AccORowCol& o_rc, CoordORowCol const& c_o_rc,
                                                  float const (&row_max)[kRows],
                                                  float const (&row_sum)[kRows], int row_begin,
                                                  int seqlen_q, const Mask& mask, int seqlen_k,
-                                                 bool writes_lse, float* lse_ptr) {
+                                                 bool writes_lse, float* lse_ptr,
+                                                 const bool* row_seen = nullptr) {
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     const float sum = quad_allreduce(row_sum[r], SumOp{});
     const int row = row_begin + get<0>(c_o_rc(r, 0));
-    const IndexRange keys = mask.row_keys(row, seqlen_k);
-    const bool no_key = keys.begin >= keys.end;
+    bool no_key;
+    if constexpr (Mask::kHasSegments) {
+      no_key = quad_allreduce(row_seen[r] ? 1.f : 0.f, MaxOp{}) == 0.f;
+    } else {
+      const IndexRange keys = mask.row_keys(row, seqlen_k);
+      no_key = keys.begin >= keys.end;
+    }
     const float inv_sum = 1.f / sum;
     // A select, not O * 0: O may hold 0 * NaN from a NaN in v.
     CUTE_UNROLL
@@ -183,9 +248,10 @@ __device__ __forceinline__ void store_output(AccO const& acc_o, AccORowCol& o_rc
                                              float const (&row_sum)[kRows], int row_begin,
                                              int seqlen_q, const Mask& mask, int seqlen_k,
                                              bool writes_lse, float* lse_ptr, Element* out_ptr,
-                                             int64_t out_row_stride) {
+                                             int64_t out_row_stride,
+                                             const bool* row_seen = nullptr) {
   normalize_output(o_rc, c_o_rc, row_max, row_sum, row_begin, seqlen_q, mask, seqlen_k,
-                   writes_lse, lse_ptr);
+                   writes_lse, lse_ptr, row_seen);
   Tensor o = convert_fragment<Element>(acc_o);
   // Fragment elements 2i, 2i+1 are adjacent columns of one row: 4-byte stores.
   CUTE_UNROLL

@@ -1,4 +1,4 @@
-// The ABI of jflash_fwd_v1 and jflash_bwd_v3, written once: arguments, results
+// The ABI of jflash_fwd_v2 and jflash_bwd_v4, written once: arguments, results
 // and attributes in the order jflash/_src/kernel_calls.py passes them. Each
 // platform passes in Ffi::Bind() with its own context (the CUDA stream) already
 // bound, so the two platforms cannot drift apart. Changing this list changes
@@ -19,6 +19,10 @@ auto BindFwd(Binding binding) {
   return std::move(binding).template Arg<ffi::AnyBuffer>()  // q    [batch..., seqlen_q, num_heads, head_dim]
       .template Arg<ffi::AnyBuffer>()            // k    [batch..., seqlen_k, num_heads_kv, head_dim]
       .template Arg<ffi::AnyBuffer>()            // v    like k
+      .template Arg<ffi::AnyBuffer>()            // q_segment_ids  [batch..., seqlen_q] int32, or empty
+      .template Arg<ffi::AnyBuffer>()            // kv_segment_ids [batch..., seqlen_k] int32, or empty
+      .template Arg<ffi::AnyBuffer>()            // q_segment_blocks  [batch..., blocks, 4] int32, or empty
+      .template Arg<ffi::AnyBuffer>()            // kv_segment_blocks [batch..., blocks, 4] int32, or empty
       .template Ret<ffi::AnyBuffer>()            // out  like q
       .template Ret<ffi::AnyBuffer>()            // lse  [batch..., num_heads, seqlen_q] float32
       .template Attr<float>("softmax_scale")
@@ -35,6 +39,10 @@ auto BindBwd(Binding binding) {
       .template Arg<ffi::AnyBuffer>()            // dout
       .template Arg<ffi::AnyBuffer>()            // lse
       .template Arg<ffi::AnyBuffer>()            // dlse
+      .template Arg<ffi::AnyBuffer>()            // q_segment_ids (as in BindFwd)
+      .template Arg<ffi::AnyBuffer>()            // kv_segment_ids
+      .template Arg<ffi::AnyBuffer>()            // q_segment_blocks
+      .template Arg<ffi::AnyBuffer>()            // kv_segment_blocks
       .template Ret<ffi::AnyBuffer>()            // dq
       .template Ret<ffi::AnyBuffer>()            // dk
       .template Ret<ffi::AnyBuffer>()            // dv

@@ -1,4 +1,4 @@
-// XLA FFI handlers for platform "cpu": jflash_fwd_v1 and jflash_bwd_v3.
+// XLA FFI handlers for platform "cpu": jflash_fwd_v2 and jflash_bwd_v4.
 //
 // The CUDA handlers (csrc/ffi/cuda_handlers.cu) bind the same arguments in the
 // same order under the same target names, so one jax.ffi.ffi_call lowers for
@@ -13,12 +13,16 @@ namespace ffi = xla::ffi;
 namespace jflash {
 namespace {
 
-ffi::Error FwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                  ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                  float softmax_scale, int64_t diag_lo, int64_t diag_hi) {
+ffi::Error FwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer q_segment_ids,
+                  ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_segment_blocks,
+                  ffi::AnyBuffer kv_segment_blocks, ffi::Result<ffi::AnyBuffer> out,
+                  ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, int64_t diag_lo,
+                  int64_t diag_hi) {
   FwdParams params;
-  if (auto err = ffi_glue::FillFwdParams(q, k, v, *out, *lse, softmax_scale, diag_lo, diag_hi,
-                                         &params);
+  const ffi_glue::SegmentBuffers segments{q_segment_ids, kv_segment_ids, q_segment_blocks,
+                                          kv_segment_blocks};
+  if (auto err = ffi_glue::FillFwdParams(q, k, v, segments, *out, *lse, softmax_scale, diag_lo,
+                                         diag_hi, &params);
       err.failure()) {
     return err;
   }
@@ -28,12 +32,16 @@ ffi::Error FwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 
 ffi::Error BwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
                   ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer dlse,
+                  ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
+                  ffi::AnyBuffer q_segment_blocks, ffi::AnyBuffer kv_segment_blocks,
                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                   ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_accum,
                   ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_semaphore,
                   ffi::Result<ffi::AnyBuffer> dkv_accum, float softmax_scale, int64_t diag_lo, int64_t diag_hi) {
   BwdParams params;
-  if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, *dq, *dk, *dv, *dq_accum,
+  const ffi_glue::SegmentBuffers segments{q_segment_ids, kv_segment_ids, q_segment_blocks,
+                                          kv_segment_blocks};
+  if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, segments, *dq, *dk, *dv, *dq_accum,
                                          *delta, *dq_semaphore, *dkv_accum, softmax_scale, diag_lo,
                                          diag_hi, &params, /*uses_dq_accum=*/false);
       err.failure()) {

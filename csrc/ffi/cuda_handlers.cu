@@ -253,11 +253,15 @@ ffi::ErrorOr<cuda::LaunchContext> Prepare(const FwdParams& params, cudaStream_t 
 }
 
 ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
+                   ffi::AnyBuffer q_segment_blocks, ffi::AnyBuffer kv_segment_blocks,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                    float softmax_scale, int64_t diag_lo, int64_t diag_hi) {
   FwdParams params;
-  if (auto err = ffi_glue::FillFwdParams(q, k, v, *out, *lse, softmax_scale, diag_lo, diag_hi,
-                                         &params);
+  const ffi_glue::SegmentBuffers segments{q_segment_ids, kv_segment_ids, q_segment_blocks,
+                                          kv_segment_blocks};
+  if (auto err = ffi_glue::FillFwdParams(q, k, v, segments, *out, *lse, softmax_scale, diag_lo,
+                                         diag_hi, &params);
       err.failure()) {
     return err;
   }
@@ -282,14 +286,18 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 
 ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
-                   ffi::AnyBuffer dlse, ffi::Result<ffi::AnyBuffer> dq,
+                   ffi::AnyBuffer dlse, ffi::AnyBuffer q_segment_ids,
+                   ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_segment_blocks,
+                   ffi::AnyBuffer kv_segment_blocks, ffi::Result<ffi::AnyBuffer> dq,
                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                    ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta,
                    ffi::Result<ffi::AnyBuffer> dq_semaphore,
                    ffi::Result<ffi::AnyBuffer> dkv_accum, float softmax_scale,
                    int64_t diag_lo, int64_t diag_hi) {
   BwdParams params;
-  if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, *dq, *dk, *dv, *dq_accum,
+  const ffi_glue::SegmentBuffers segments{q_segment_ids, kv_segment_ids, q_segment_blocks,
+                                          kv_segment_blocks};
+  if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, segments, *dq, *dk, *dv, *dq_accum,
                                          *delta, *dq_semaphore, *dkv_accum, softmax_scale, diag_lo,
                                          diag_hi, &params);
       err.failure()) {

@@ -69,9 +69,51 @@ inline bool SameShape(const Shape4& a, const Shape4& b) {
   return a.batch == b.batch && a.seq == b.seq && a.heads == b.heads && a.head_dim == b.head_dim;
 }
 
+// The segment-id buffers of a call: all four empty (no segment ids), or the
+// ids and their block summaries (jflash/mask.h, SegmentParams), int32.
+struct SegmentBuffers {
+  ffi::AnyBuffer q_ids, kv_ids, q_blocks, kv_blocks;
+};
+
+inline ffi::Error FillSegmentParams(const SegmentBuffers& b, const FwdParams& p,
+                                    SegmentParams* s) {
+  *s = SegmentParams{};
+  const ffi::AnyBuffer* buffers[] = {&b.q_ids, &b.kv_ids, &b.q_blocks, &b.kv_blocks};
+  int64_t nonempty = 0;
+  for (const ffi::AnyBuffer* x : buffers) {
+    if (x->element_type() != ffi::DataType::S32) {
+      return ffi::Error::InvalidArgument("jflash: segment ids and their blocks must be int32");
+    }
+    nonempty += x->element_count() > 0;
+  }
+  if (nonempty == 0) return ffi::Error::Success();
+  const int64_t batch = p.batch;
+  if (b.q_ids.element_count() != batch * p.seqlen_q ||
+      b.kv_ids.element_count() != batch * p.seqlen_k ||
+      b.q_blocks.element_count() != batch * segment_blocks(p.seqlen_q) * 4 ||
+      b.kv_blocks.element_count() != batch * segment_blocks(p.seqlen_k) * 4) {
+    return ffi::Error::InvalidArgument(
+        "jflash: segment ids must be [batch, seqlen] (q and kv) with their block summaries "
+        "[batch, ceil(seqlen / " + std::to_string(kSegmentBlock) + "), 4]");
+  }
+  for (const ffi::AnyBuffer* x : {&b.q_blocks, &b.kv_blocks}) {
+    if (reinterpret_cast<uintptr_t>(x->untyped_data()) % alignof(SegmentBlock) != 0) {
+      return ffi::Error::InvalidArgument("jflash: segment blocks must be 16-byte aligned");
+    }
+  }
+  s->q_ids = static_cast<const int32_t*>(b.q_ids.untyped_data());
+  s->kv_ids = static_cast<const int32_t*>(b.kv_ids.untyped_data());
+  s->q_blocks = static_cast<const SegmentBlock*>(b.q_blocks.untyped_data());
+  s->kv_blocks = static_cast<const SegmentBlock*>(b.kv_blocks.untyped_data());
+  s->seqlen_q = p.seqlen_q;
+  s->seqlen_k = p.seqlen_k;
+  return ffi::Error::Success();
+}
+
 inline ffi::Error FillFwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                ffi::AnyBuffer out, ffi::AnyBuffer lse, float softmax_scale,
-                                int64_t diag_lo, int64_t diag_hi, FwdParams* p) {
+                                const SegmentBuffers& segments, ffi::AnyBuffer out,
+                                ffi::AnyBuffer lse, float softmax_scale, int64_t diag_lo,
+                                int64_t diag_hi, FwdParams* p) {
   auto dtype = ToDType(q.element_type());
   if (dtype.has_error()) return dtype.error();
   if (k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
@@ -141,17 +183,18 @@ inline ffi::Error FillFwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   auto clamp = [](int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); };
   p->mask.diag_lo = clamp(diag_lo, -qs->seq, ks->seq);
   p->mask.diag_hi = clamp(diag_hi, -qs->seq, ks->seq);
-  return ffi::Error::Success();
+  return FillSegmentParams(segments, *p, &p->mask.segments);
 }
 
 inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                 ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
-                                ffi::AnyBuffer dlse, ffi::AnyBuffer dq, ffi::AnyBuffer dk,
+                                ffi::AnyBuffer dlse, const SegmentBuffers& segments,
+                                ffi::AnyBuffer dq, ffi::AnyBuffer dk,
                                 ffi::AnyBuffer dv, ffi::AnyBuffer dq_accum, ffi::AnyBuffer delta,
                                 ffi::AnyBuffer dq_semaphore, ffi::AnyBuffer dkv_accum,
                                 float softmax_scale, int64_t diag_lo, int64_t diag_hi,
                                 BwdParams* p, bool uses_dq_accum = true) {
-  if (auto err = FillFwdParams(q, k, v, out, lse, softmax_scale, diag_lo, diag_hi, p);
+  if (auto err = FillFwdParams(q, k, v, segments, out, lse, softmax_scale, diag_lo, diag_hi, p);
       err.failure()) {
     return err;
   }

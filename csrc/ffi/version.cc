@@ -3,6 +3,7 @@
 // jaxlib (such a handler fails to load and takes the backend down with it),
 // and the facts of the build that Python must agree with (the head dims).
 #include "jflash/head_dims.h"
+#include "jflash/mask.h"
 #include "xla/ffi/api/c_api.h"
 
 #ifndef JFLASH_BUILD_JAXLIB_VERSION
@@ -23,3 +24,13 @@ JFLASH_EXPORT int jflash_kernel_head_dims(int* out, int capacity) {
   }
   return jflash::kNumKernelHeadDims;
 }
+
+// The head dims of the segment-id kernels and the block size of their
+// summaries (jflash/head_dims.h, jflash/mask.h), for Python.
+JFLASH_EXPORT int jflash_segment_head_dims(int* out, int capacity) {
+  for (int i = 0; i < jflash::kNumSegmentHeadDims && i < capacity; ++i) {
+    out[i] = jflash::kSegmentHeadDims[i];
+  }
+  return jflash::kNumSegmentHeadDims;
+}
+JFLASH_EXPORT int jflash_segment_block() { return jflash::kSegmentBlock; }

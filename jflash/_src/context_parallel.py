@@ -25,7 +25,8 @@ Layouts (which tokens a device holds), with the sequence split into chunks:
 Masks supported in context-parallel form: none (any seq_q, seq_k) and causal
 with seq_q == seq_k. Every chunk pair is then either fully visible, fully
 masked (skipped: never computed) or on the diagonal, and is one kernel call with
-its own band. Other masks gather the sequence (correct, and not parallel).
+its own band. Other masks, and segment ids, gather the sequence (correct, and
+not parallel).
 """
 
 from __future__ import annotations
@@ -554,26 +555,36 @@ def _gather_bwd(q, k, v, out, dout, lse, dlse, *, plan, call):
 # --------------------------------------------------------------------------- unsharded
 
 
-def full_sequence_fwd(q, k, v, *, diag_lo, diag_hi, config, call):
-    """The whole sequence on one device, in the token order that config declares."""
+def _natural_segment_ids(segment_ids, n):
+    """Segment ids [..., seq] of a zigzag layout in token order (None stays None)."""
+    if segment_ids is None:
+        return None
+    return tuple(from_zigzag(x, n, x.ndim - 1) for x in segment_ids)
+
+
+def full_sequence_fwd(q, k, v, *, diag_lo, diag_hi, config, call, segment_ids=None):
+    """The whole sequence on one device, in the token order that config declares.
+    segment_ids: None, or the (q, kv) ids in the layout of q and k."""
     layout, n = config[1], config[2]
     if layout != "zigzag" or band_kind(q.shape[-3], k.shape[-3], diag_lo, diag_hi) == "full":
-        return call(q, k, v, diag_lo, diag_hi)
+        return call(q, k, v, diag_lo, diag_hi, segment_ids=segment_ids)
     qa, ka = q.ndim - 3, k.ndim - 3
     out, lse = call(from_zigzag(q, n, qa), from_zigzag(k, n, ka), from_zigzag(v, n, ka),
-                    diag_lo, diag_hi)
+                    diag_lo, diag_hi, segment_ids=_natural_segment_ids(segment_ids, n))
     return to_zigzag(out, n, qa), to_zigzag(lse, n, lse.ndim - 1)
 
 
-def full_sequence_bwd(q, k, v, out, dout, lse, dlse, *, diag_lo, diag_hi, config, call):
+def full_sequence_bwd(q, k, v, out, dout, lse, dlse, *, diag_lo, diag_hi, config, call,
+                      segment_ids=None):
     layout, n = config[1], config[2]
     if layout != "zigzag" or band_kind(q.shape[-3], k.shape[-3], diag_lo, diag_hi) == "full":
-        return call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi)
+        return call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi, segment_ids=segment_ids)
     qa, ka, la = q.ndim - 3, k.ndim - 3, lse.ndim - 1
     qs = [from_zigzag(x, n, qa) for x in (q, out, dout)]
     ls = [from_zigzag(x, n, la) for x in (lse, dlse)]
     ks = [from_zigzag(x, n, ka) for x in (k, v)]
-    dq, dk, dv = call(qs[0], *ks, qs[1], qs[2], *ls, diag_lo, diag_hi)
+    dq, dk, dv = call(qs[0], *ks, qs[1], qs[2], *ls, diag_lo, diag_hi,
+                      segment_ids=_natural_segment_ids(segment_ids, n))
     return to_zigzag(dq, n, qa), to_zigzag(dk, n, ka), to_zigzag(dv, n, ka)
 
 

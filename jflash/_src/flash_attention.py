@@ -35,19 +35,23 @@ SECOND_ORDER_UNSUPPORTED = (
 
 # cp, here and in _attention: the context-parallel configuration (strategy,
 # layout, layout axis size), read when the call is traced
-# (context_parallel.current_config) and static like the band.
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6))
-def _forward(q, k, v, softmax_scale, diag_lo, diag_hi, cp):
+# (context_parallel.current_config) and static like the band. seg: None, or the
+# int32 segment ids (q ids [batch, seq_q], kv ids [batch, seq_k]), which get no
+# gradient.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6, 7))
+def _forward(q, k, v, seg, softmax_scale, diag_lo, diag_hi, cp):
     return kernel_calls.fwd(
-        q, k, v, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi, context_parallel=cp
+        q, k, v, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi, context_parallel=cp,
+        segment_ids=seg,
     )
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8, 9, 10, 11))
-def _backward(q, k, v, out, dout, lse, dlse, softmax_scale, diag_lo, diag_hi, cp, deterministic):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(8, 9, 10, 11, 12))
+def _backward(q, k, v, out, dout, lse, dlse, seg, softmax_scale, diag_lo, diag_hi, cp,
+              deterministic):
     return kernel_calls.bwd(
         q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=diag_lo,
-        diag_hi=diag_hi, context_parallel=cp, deterministic=deterministic,
+        diag_hi=diag_hi, context_parallel=cp, deterministic=deterministic, segment_ids=seg,
     )
 
 
@@ -65,24 +69,24 @@ _backward.defjvp(_no_second_order)
 
 
 # deterministic: the backward's gradients bit-identical from run to run.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _attention(q, k, v, softmax_scale, diag_lo, diag_hi, cp, deterministic):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _attention(q, k, v, seg, softmax_scale, diag_lo, diag_hi, cp, deterministic):
     del deterministic
-    return _forward(q, k, v, softmax_scale, diag_lo, diag_hi, cp)
+    return _forward(q, k, v, seg, softmax_scale, diag_lo, diag_hi, cp)
 
 
-def _attention_fwd(q, k, v, softmax_scale, diag_lo, diag_hi, cp, deterministic):
+def _attention_fwd(q, k, v, seg, softmax_scale, diag_lo, diag_hi, cp, deterministic):
     del deterministic
-    out, lse = _forward(q, k, v, softmax_scale, diag_lo, diag_hi, cp)
+    out, lse = _forward(q, k, v, seg, softmax_scale, diag_lo, diag_hi, cp)
     out = checkpoint_name(out, OUT_NAME)
     lse = checkpoint_name(lse, LSE_NAME)
-    return (out, lse), (q, k, v, out, lse)
+    return (out, lse), (q, k, v, seg, out, lse)
 
 
 def _attention_bwd(softmax_scale, diag_lo, diag_hi, cp, deterministic, residuals, cotangents):
-    q, k, v, out, lse = residuals
+    q, k, v, seg, out, lse = residuals
     dout, dlse = cotangents
-    return _backward(
+    dq, dk, dv = _backward(
         q,
         k,
         v,
@@ -90,22 +94,27 @@ def _attention_bwd(softmax_scale, diag_lo, diag_hi, cp, deterministic, residuals
         dout.astype(out.dtype),
         lse,
         dlse.astype(jnp.float32),
+        seg,
         softmax_scale,
         diag_lo,
         diag_hi,
         cp,
         deterministic,
     )
+    return dq, dk, dv, None  # segment ids: no gradient
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, deterministic=False):
+def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, deterministic=False,
+                   q_segment_ids=None, kv_segment_ids=None):
     """Attention with the band mask diag_lo <= j - i <= diag_hi; returns (out, lse).
 
     deterministic: the gradients are bit-identical from run to run (see
-    flash_attention).
+    flash_attention). q_segment_ids, kv_segment_ids: both None, or int32
+    [batch, seq_q] and [batch, seq_k]: key j is visible from query i only where
+    they are equal, on top of the band.
 
     Positions i, j are true token positions: under
     jflash.context_parallel.sequence_layout("zigzag", n) the sequence axis holds
@@ -118,21 +127,26 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, determ
     _, seqlen_q, _, head_dim = query.shape
     seqlen_k = key.shape[1]
     diag_lo, diag_hi = clamp_band(seqlen_q, seqlen_k, diag_lo, diag_hi)
-    kernel_head_dim = kernel_calls.padded_head_dim(head_dim)
+    seg = None
+    if q_segment_ids is not None:
+        seg = (jnp.asarray(q_segment_ids, jnp.int32), jnp.asarray(kv_segment_ids, jnp.int32))
+    kernel_head_dim = kernel_calls.padded_head_dim(head_dim, segments=seg is not None)
     if kernel_head_dim != head_dim:
         pad = [(0, 0), (0, 0), (0, 0), (0, kernel_head_dim - head_dim)]
         query, key, value = (jnp.pad(x, pad) for x in (query, key, value))
     cp = context_parallel.current_config()
     out, lse = _attention(
-        query, key, value, float(softmax_scale), diag_lo, diag_hi, cp, bool(deterministic)
+        query, key, value, seg, float(softmax_scale), diag_lo, diag_hi, cp, bool(deterministic)
     )
     if kernel_head_dim != head_dim:
         out = out[..., :head_dim]
     return out, lse
 
 
-def resolve_arguments(query, key, value, causal, softmax_scale, return_lse, window_size=None):
-    """Validates flash_attention's arguments; (softmax_scale, diag_lo, diag_hi, return_lse).
+def resolve_arguments(query, key, value, causal, softmax_scale, return_lse, window_size=None,
+                      q_segment_ids=None, kv_segment_ids=None):
+    """Validates flash_attention's arguments; (softmax_scale, diag_lo, diag_hi,
+    return_lse, segment_ids), segment_ids None or the int32 (q ids, kv ids).
 
     Shared with jflash.reference.attention so that both read arguments alike.
     """
@@ -141,12 +155,14 @@ def resolve_arguments(query, key, value, causal, softmax_scale, return_lse, wind
     return_lse = validation.check_bool("return_lse", return_lse)
     softmax_scale = validation.check_softmax_scale(softmax_scale, q_shape[3])
     window_size = validation.check_window_size(window_size)
+    segment_ids = validation.check_segment_ids(q_segment_ids, kv_segment_ids, q_shape, k_shape)
     diag_lo, diag_hi = window_band(q_shape[1], k_shape[1], causal, window_size)
-    return softmax_scale, diag_lo, diag_hi, return_lse
+    return softmax_scale, diag_lo, diag_hi, return_lse, segment_ids
 
 
 def flash_attention(query, key, value, *, causal=False, softmax_scale=None, return_lse=False,
-                    window_size=None, deterministic=False):
+                    window_size=None, q_segment_ids=None, kv_segment_ids=None,
+                    deterministic=False):
     """Exact attention, computed tile by tile without a seq_q x seq_k buffer.
 
     Args:
@@ -168,6 +184,18 @@ def flash_attention(query, key, value, *, causal=False, softmax_scale=None, retu
         seq_q + right; -1 (or None) leaves a side unbounded; with causal=True
         the right side is 0. Runs on the same band-masked kernels as causal,
         which skip the key tiles outside the window.
+      q_segment_ids, kv_segment_ids: both None (the default), or integer arrays
+        [batch, seq_q] and [batch, seq_k] (int32 ids, any values): query i sees
+        key j only where q_segment_ids[b, i] == kv_segment_ids[b, j], on top of
+        causal and window_size, which stay in the rows' absolute positions. With
+        documents packed one after the other (the same ids on both sides), each
+        document attends only to itself, causally under causal=True, and the
+        kernels skip the tiles between documents, so a packed row costs about
+        what its documents cost apart. A row whose segment has no visible key
+        outputs zeros and lse -inf, like any row that sees no key. The ids get
+        no gradient. Head dims other than 64, 128 and 256 are zero-padded up to
+        the next of these for such calls. A sequence-sharded (context-parallel)
+        call with segment ids gathers the sequence.
       deterministic: if True, the gradients are bit-identical from run to run
         on the same device and inputs. The CUDA backward then adds each query
         block's dq contributions in key-block order instead of as they come
@@ -177,12 +205,14 @@ def flash_attention(query, key, value, *, causal=False, softmax_scale=None, retu
     Returns:
       out with the shape and dtype of query, or (out, lse).
     """
-    softmax_scale, diag_lo, diag_hi, return_lse = resolve_arguments(
-        query, key, value, causal, softmax_scale, return_lse, window_size
+    softmax_scale, diag_lo, diag_hi, return_lse, segment_ids = resolve_arguments(
+        query, key, value, causal, softmax_scale, return_lse, window_size, q_segment_ids,
+        kv_segment_ids,
     )
     deterministic = validation.check_bool("deterministic", deterministic)
+    q_ids, kv_ids = segment_ids or (None, None)
     out, lse = attention_band(
         query, key, value, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
-        deterministic=deterministic,
+        deterministic=deterministic, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
     )
     return (out, lse) if return_lse else out

@@ -1,8 +1,10 @@
 """The two FFI calls (forward, backward) and how inputs are adapted to them.
 
 Everything here sees kernel-ready shapes: head_dim already padded to one of
-KERNEL_HEAD_DIMS and the mask already reduced to a diagonal band (masks.py,
-csrc/include/jflash/mask.h). Validation happens before, in flash_attention.py.
+KERNEL_HEAD_DIMS (SEGMENT_HEAD_DIMS with segment ids) and the mask already
+reduced to a diagonal band and, optionally, segment ids [batch, seq] of the
+queries and the keys (masks.py, csrc/include/jflash/mask.h). Validation
+happens before, in flash_attention.py.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 from jflash._src import context_parallel as _cp
 from jflash._src import ffi as _ffi
 from jflash._src import sharding
-from jflash._src.masks import clamp_band
+from jflash._src.masks import clamp_band, segment_blocks
 
 # Head dims the kernels are built for, read from the library
 # (csrc/include/jflash/head_dims.h, the one list). Other head dims are
@@ -24,16 +26,30 @@ from jflash._src.masks import clamp_band
 # and zero columns of v give output columns that are sliced off. The CPU kernel
 # takes the same padded shapes so that both platforms run one traced program.
 KERNEL_HEAD_DIMS = _ffi.KERNEL_HEAD_DIMS
+# Calls with segment ids run on kernels built for these head dims only (the CUDA
+# build time), and pad other head dims up to the next of them, on every platform.
+SEGMENT_HEAD_DIMS = _ffi.SEGMENT_HEAD_DIMS
 
 
-def padded_head_dim(head_dim: int) -> int:
-    for d in KERNEL_HEAD_DIMS:
+def padded_head_dim(head_dim: int, segments: bool = False) -> int:
+    for d in SEGMENT_HEAD_DIMS if segments else KERNEL_HEAD_DIMS:
         if head_dim <= d:
             return d
     raise ValueError(f"head_dim {head_dim} exceeds {KERNEL_HEAD_DIMS[-1]}")
 
 
-def _fwd_ffi(q, k, v, *, softmax_scale, diag_lo, diag_hi):
+def _segment_operands(segment_ids):
+    """The four segment buffers of both FFI calls: the ids [..., seq] (int32) of the
+    queries and the keys and their block summaries (masks.segment_blocks), computed
+    here for the arrays the kernel gets; four empty arrays without segment ids."""
+    if segment_ids is None:
+        return (jnp.zeros((0,), jnp.int32),) * 4
+    q_ids, kv_ids = segment_ids
+    return (q_ids, kv_ids, segment_blocks(q_ids, kv_ids, _ffi.SEGMENT_BLOCK),
+            segment_blocks(kv_ids, q_ids, _ffi.SEGMENT_BLOCK))
+
+
+def _fwd_ffi(q, k, v, *, softmax_scale, diag_lo, diag_hi, segment_ids=None):
     *lead, seqlen_q, num_heads, _ = q.shape
     call = jax.ffi.ffi_call(
         _ffi.FWD_TARGET,
@@ -49,6 +65,7 @@ def _fwd_ffi(q, k, v, *, softmax_scale, diag_lo, diag_hi):
         q,
         k,
         v,
+        *_segment_operands(segment_ids),
         softmax_scale=np.float32(softmax_scale),
         diag_lo=np.int64(diag_lo),
         diag_hi=np.int64(diag_hi),
@@ -61,7 +78,7 @@ _DQ_SEMAPHORE_ROWS = 32
 
 
 def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, on_cpu,
-             deterministic=False):
+             deterministic=False, segment_ids=None):
     *lead, seqlen_q, num_heads, head_dim = q.shape
     f32 = jnp.float32
     # The CUDA kernels accumulate dq in a float32 scratch; the CPU kernel keeps
@@ -101,6 +118,7 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
         dout,
         lse,
         dlse,
+        *_segment_operands(segment_ids),
         softmax_scale=np.float32(softmax_scale),
         diag_lo=np.int64(diag_lo),
         diag_hi=np.int64(diag_hi),
@@ -109,45 +127,53 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
 
 
 def fwd_band_call(softmax_scale):
-    """call(q, k, v, diag_lo, diag_hi) -> (out, lse): the forward kernel on any
-    arrays, its band clamped to their lengths (context_parallel.py's chunk pairs)."""
+    """call(q, k, v, diag_lo, diag_hi, segment_ids=None) -> (out, lse): the forward
+    kernel on any arrays, its band clamped to their lengths (context_parallel.py's
+    chunk pairs); segment_ids: None or (q ids, kv ids) of those arrays."""
 
-    def call(q, k, v, diag_lo, diag_hi):
+    def call(q, k, v, diag_lo, diag_hi, segment_ids=None):
         lo, hi = clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
-        return _fwd_ffi(q, k, v, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi)
+        return _fwd_ffi(q, k, v, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi,
+                        segment_ids=segment_ids)
 
     return call
 
 
 def bwd_band_call(softmax_scale, *, on_cpu, deterministic=False):
-    """call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi) -> (dq, dk, dv);
-    on_cpu: the CPU branch of bwd (no dq scratch); deterministic: dq bit-identical
-    from run to run."""
+    """call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi, segment_ids=None) ->
+    (dq, dk, dv); on_cpu: the CPU branch of bwd (no dq scratch); deterministic: dq
+    bit-identical from run to run."""
 
-    def call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi):
+    def call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi, segment_ids=None):
         lo, hi = clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
         return _bwd_ffi(
             q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi,
-            on_cpu=on_cpu, deterministic=deterministic,
+            on_cpu=on_cpu, deterministic=deterministic, segment_ids=segment_ids,
         )
 
     return call
 
 
-def _fwd_body(q, k, v, *, softmax_scale, diag_lo, diag_hi, context_parallel):
+def _segments(segment_ids):
+    """The optional trailing operands (q ids, kv ids) of the partitioned calls."""
+    return tuple(segment_ids) if segment_ids else None
+
+
+def _fwd_body(q, k, v, *segment_ids, softmax_scale, diag_lo, diag_hi, context_parallel):
     """The forward of a whole sequence, in the token order context_parallel declares."""
     return _cp.full_sequence_fwd(
         q, k, v, diag_lo=diag_lo, diag_hi=diag_hi, config=context_parallel,
-        call=fwd_band_call(softmax_scale),
+        call=fwd_band_call(softmax_scale), segment_ids=_segments(segment_ids),
     )
 
 
-def _bwd_body(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi,
+def _bwd_body(q, k, v, out, dout, lse, dlse, *segment_ids, softmax_scale, diag_lo, diag_hi,
               context_parallel, on_cpu, deterministic):
     return _cp.full_sequence_bwd(
         q, k, v, out, dout, lse, dlse, diag_lo=diag_lo, diag_hi=diag_hi,
         config=context_parallel,
         call=bwd_band_call(softmax_scale, on_cpu=on_cpu, deterministic=deterministic),
+        segment_ids=_segments(segment_ids),
     )
 
 
@@ -166,49 +192,53 @@ _bwd_native = sharding.partitioned_bwd(_bwd_body, bwd_band_call)
 _GPU_COMPUTE_DTYPE = jnp.bfloat16
 
 
-def fwd(q, k, v, *, softmax_scale, diag_lo, diag_hi, context_parallel=_cp.DEFAULT_CONFIG):
+def fwd(q, k, v, *, softmax_scale, diag_lo, diag_hi, context_parallel=_cp.DEFAULT_CONFIG,
+        segment_ids=None):
     """(out, lse) for kernel-ready inputs; lse is float32 [batch, heads, seqlen_q].
 
     context_parallel: (strategy, layout, layout axis size), context_parallel.py.
+    segment_ids: None, or int32 (q ids [batch, seqlen_q], kv ids [batch, seqlen_k]).
     """
     kw = dict(softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
               context_parallel=context_parallel)
+    ids = tuple(segment_ids or ())
     if q.dtype != jnp.float32:
-        return _fwd_native(q, k, v, **kw)
+        return _fwd_native(q, k, v, *ids, **kw)
 
-    def on_gpu(q, k, v):
+    def on_gpu(q, k, v, *ids):
         c = _GPU_COMPUTE_DTYPE
-        out, lse = _fwd_native(q.astype(c), k.astype(c), v.astype(c), **kw)
+        out, lse = _fwd_native(q.astype(c), k.astype(c), v.astype(c), *ids, **kw)
         return out.astype(jnp.float32), lse
 
     return jax.lax.platform_dependent(
-        q, k, v, cpu=functools.partial(_fwd_native, **kw), default=on_gpu
+        q, k, v, *ids, cpu=functools.partial(_fwd_native, **kw), default=on_gpu
     )
 
 
 def bwd(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi,
-        context_parallel=_cp.DEFAULT_CONFIG, deterministic=False):
+        context_parallel=_cp.DEFAULT_CONFIG, deterministic=False, segment_ids=None):
     """(dq, dk, dv) in the input dtype, recomputing attention from (q, k, v, out, lse).
 
     deterministic: gradients bit-identical from run to run (the CUDA kernels add
-    dq in key-block order; the CPU kernel always does).
+    dq in key-block order; the CPU kernel always does). segment_ids: as for fwd.
     """
     kw = dict(softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
               context_parallel=context_parallel, on_cpu=False,
               deterministic=bool(deterministic))
+    ids = tuple(segment_ids or ())
     on_cpu = functools.partial(_bwd_native, **dict(kw, on_cpu=True))
     if q.dtype != jnp.float32:
         on_gpu = functools.partial(_bwd_native, **kw)
     else:
 
-        def on_gpu(q, k, v, out, dout, lse, dlse):
+        def on_gpu(q, k, v, out, dout, lse, dlse, *ids):
             c = _GPU_COMPUTE_DTYPE
             grads = _bwd_native(
                 q.astype(c), k.astype(c), v.astype(c), out.astype(c), dout.astype(c), lse, dlse,
-                **kw,
+                *ids, **kw,
             )
             return tuple(g.astype(jnp.float32) for g in grads)
 
     return jax.lax.platform_dependent(
-        q, k, v, out, dout, lse, dlse, cpu=on_cpu, default=on_gpu
+        q, k, v, out, dout, lse, dlse, *ids, cpu=on_cpu, default=on_gpu
     )

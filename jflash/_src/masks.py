@@ -10,24 +10,35 @@ it outside the kernels:
   top_left_band             jax.nn.dot_product_attention's is_causal and
                             local_window_size, aligned top-left
   clamp_band                the range [-seq_q, seq_k] the kernels expect
-  visible                   the [seq_q, seq_k] mask itself (the reference)
+  visible                   the [seq_q, seq_k] mask itself (the reference), or
+                            [batch, seq_q, seq_k] with segment ids
   rows_without_keys         the query rows that see no key at all
+  segment_blocks            the per-block summaries of segment ids that the
+                            kernels classify tiles by (SegmentMask)
+
+Segment ids (packed documents) restrict the band further: query i sees key j
+only where q_segment_ids[b, i] == kv_segment_ids[b, j].
 
 MASK_KIND_* mirror the C++ MaskKind, the kernels' dispatch key.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 # MaskKind of csrc/include/jflash/mask.h.
 MASK_KIND_NONE = 0
 MASK_KIND_BAND = 1
+MASK_KIND_SEGMENTS = 2
 
 
-def mask_kind(banded: bool) -> int:
-    """The MaskKind of a call: the band kernels, or the unmasked ones."""
+def mask_kind(banded: bool, segments: bool = False) -> int:
+    """The MaskKind of a call: the segment kernels (whatever the band), the band
+    kernels, or the unmasked ones."""
+    if segments:
+        return MASK_KIND_SEGMENTS
     return MASK_KIND_BAND if banded else MASK_KIND_NONE
 
 
@@ -82,10 +93,64 @@ def top_left_band(seqlen_q: int, seqlen_k: int, is_causal: bool, window):
     return diag_lo, diag_hi
 
 
-def visible(seqlen_q: int, seqlen_k: int, diag_lo: int, diag_hi: int):
-    """[seqlen_q, seqlen_k] bool (jnp), True where query i sees key j."""
+def visible(seqlen_q: int, seqlen_k: int, diag_lo: int, diag_hi: int, q_segment_ids=None,
+            kv_segment_ids=None):
+    """[seqlen_q, seqlen_k] bool (jnp), True where query i sees key j; with segment
+    ids ([batch, seqlen_q], [batch, seqlen_k]) [batch, seqlen_q, seqlen_k]."""
     offset = jnp.arange(seqlen_k)[None, :] - jnp.arange(seqlen_q)[:, None]  # j - i
-    return (offset >= diag_lo) & (offset <= diag_hi)
+    band = (offset >= diag_lo) & (offset <= diag_hi)
+    if q_segment_ids is None:
+        return band
+    same = q_segment_ids[..., :, None] == kv_segment_ids[..., None, :]
+    return band & same
+
+
+def segment_blocks(ids, other_ids, block: int):
+    """The kernels' summaries of segment ids (csrc/include/jflash/mask.h, SegmentBlock).
+
+    ids [..., S], other_ids [..., T] (int32, the other side's ids of the same batch
+    entries) -> [..., ceil(S / block), 4] int32: per block of `block` positions of
+    ids, the min and max id, and the hull [begin, end) of the positions of
+    other_ids that hold one of the block's ids (begin >= end where none does).
+
+    The hull of each id is [first, last + 1) of its positions in other_ids, found
+    by a stable sort of other_ids and two binary searches per position: O((S + T)
+    log T), and exact where each id's positions are contiguous, whatever the
+    order of the ids (documents packed one after the other, padding included).
+    """
+    *lead, s = ids.shape
+    t = other_ids.shape[-1]
+    flat = ids.reshape(-1, s)
+    flat_other = other_ids.reshape(-1, t)
+
+    def hulls(row, other):
+        order = jnp.argsort(other, stable=True)  # positions ascending within an id
+        sorted_ids = other[order]
+        lo = jnp.searchsorted(sorted_ids, row, side="left")
+        hi = jnp.searchsorted(sorted_ids, row, side="right")
+        found = hi > lo
+        first = jnp.where(found, order[jnp.minimum(lo, t - 1)], t)
+        last = jnp.where(found, order[jnp.maximum(hi - 1, 0)] + 1, 0)
+        return first, last
+
+    first, last = jax.vmap(hulls)(flat, flat_other)
+    num_blocks = -(-s // block)
+    pad = num_blocks * block - s
+    info = np.iinfo(np.int32)
+
+    def per_block(x, fill):
+        return jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill).reshape(-1, num_blocks, block)
+
+    summary = jnp.stack(
+        [
+            per_block(flat, info.max).min(-1),
+            per_block(flat, info.min).max(-1),
+            per_block(first, t).min(-1),
+            per_block(last, 0).max(-1),
+        ],
+        axis=-1,
+    )
+    return summary.astype(jnp.int32).reshape(*lead, num_blocks, 4)
 
 
 def rows_without_keys(seqlen_q: int, seqlen_k: int, diag_lo: int, diag_hi: int):

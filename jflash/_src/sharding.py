@@ -11,14 +11,16 @@ sharding rule, one factor per dimension:
   backward  q, k, v, out, dout [like q], lse, dlse [like lse]
               -> dq [like q], dk, dv [like k]
 
-Query heads are the compound factor (hk g): kv head hk serves query heads
+Segment ids (optional trailing operands, q ids [... b sq] and kv ids [... b
+sk]) are sharded like the batch. Query heads are the compound factor (hk g): kv head hk serves query heads
 hk * g ... hk * g + g - 1 (GQA), so sharding heads shards q and k/v alike.
 The head dim d is contracted in q.k and needs replication (Shardy gathers it
 before the call). A query sequence sharded over mesh axes runs context-parallel
 (context_parallel.py): k and v are sharded like q along the sequence, and the
 per-device lowering is a ring of ppermutes, or an all-gather of K/V, around
 kernel calls on chunk pairs, with their own band offsets. Masks or lengths that
-context_parallel.make_plan does not take are gathered along the sequence.
+context_parallel.make_plan does not take, and calls with segment ids, are
+gathered along the sequence.
 Query heads split finer than kv heads (a shard of g) work for MQA: its one kv
 head stays replicated, and in the backward each device's dk, dv, which sum over
 its own query heads only, are summed across devices (an all-reduce). Other
@@ -71,22 +73,30 @@ def _in_rule_order(rule, factors):
 
 def _rule(value_types, operands, results):
     """Shardy rule over q-like, kv-like and row (lse-like) tensors, e.g. operands
-    ("q", "kv", "kv"); only batch and heads may stay sharded."""
+    ("q", "kv", "kv"), and the segment ids of q and kv where value_types has them
+    past the operands; only batch and heads may stay sharded."""
     num_heads, num_heads_kv = value_types[0].shape[-2], value_types[1].shape[-2]
     h, sizes = _heads_factor(num_heads, num_heads_kv)
-    spelled = {"q": f"... b sq {h} d", "kv": "... b sk hk d", "row": f"... b {h} sq"}
+    spelled = {"q": f"... b sq {h} d", "kv": "... b sk hk d", "row": f"... b {h} sq",
+               "q_ids": "... b sq", "kv_ids": "... b sk"}
+    if len(value_types) > len(operands):
+        operands = (*operands, "q_ids", "kv_ids")
     rule = ", ".join(spelled[x] for x in operands) + " -> " + ", ".join(spelled[x] for x in results)
     return rule, dict(sizes, need_replication_factors=_in_rule_order(rule, ("d",)))
 
 
+_FWD_OPERANDS = ("q", "kv", "kv")
+_BWD_OPERANDS = ("q", "kv", "kv", "q", "q", "row", "row")
+
+
 def _fwd_rule(static, mesh, value_types, result_types):
     del static, mesh, result_types
-    return _rule(value_types, ("q", "kv", "kv"), ("q", "row"))
+    return _rule(value_types, _FWD_OPERANDS, ("q", "row"))
 
 
 def _bwd_rule(static, mesh, value_types, result_types):
     del static, mesh, result_types
-    return _rule(value_types, ("q", "kv", "kv", "q", "q", "row", "row"), ("q", "kv", "kv"))
+    return _rule(value_types, _BWD_OPERANDS, ("q", "kv", "kv"))
 
 
 def _spec(sharding, ndim, mesh):
@@ -107,13 +117,14 @@ def _spec(sharding, ndim, mesh):
     return spec + (None,) * (ndim - len(spec))
 
 
-def _local_shardings(mesh, arg_shapes, static):
-    """(q-like, kv, row) shardings for the per-device call, the mesh axes over
-    which per-device dk, dv are partial sums, and the context-parallel Plan (or
-    None).
+def _local_shardings(mesh, arg_shapes, static, segments=False):
+    """(q-like, kv, row, segment ids) shardings for the per-device call, the mesh
+    axes over which per-device dk, dv are partial sums, and the context-parallel
+    Plan (or None).
 
     A sharded query sequence keeps its mesh axes when context_parallel.make_plan
-    accepts the call (k and v are then sharded alike); otherwise it is gathered.
+    accepts the call (k and v are then sharded alike); otherwise, and always
+    with segment ids, it is gathered.
 
     Only leading/batch and heads axes stay sharded, and heads only when every
     device's query heads read exactly its own kv heads: kv heads sharded like
@@ -129,7 +140,7 @@ def _local_shardings(mesh, arg_shapes, static):
             from jax._src.sharding_impls import GSPMDSharding
 
             devices = q.sharding._device_assignment  # noqa: SLF001
-            return (GSPMDSharding.get_replicated(devices),) * 3, (), None
+            return (GSPMDSharding.get_replicated(devices),) * 4, (), None
         q_spec = (None,) * len(q.shape)
     lead = q_spec[:-3]  # vmapped axes and batch
     heads = q_spec[-2]
@@ -142,6 +153,8 @@ def _local_shardings(mesh, arg_shapes, static):
         partial_axes = _axes(heads)
 
     seq, plan = q_spec[-3], None
+    if seq is not None and segments:
+        seq = None  # segment ids have no context-parallel form: gathered
     if seq is not None:
         seq_axes = _axes(seq)
         heads_devices = math.prod(mesh.shape[a] for a in _axes(heads)) if heads else 1
@@ -163,7 +176,7 @@ def _local_shardings(mesh, arg_shapes, static):
     def named(*dims):
         return NamedSharding(mesh, PartitionSpec(*lead, *dims))
 
-    shardings = named(seq, heads, None), named(seq, heads_kv, None), named(heads, seq)
+    shardings = named(seq, heads, None), named(seq, heads_kv, None), named(heads, seq), named(seq)
     return shardings, partial_axes, plan
 
 
@@ -275,16 +288,19 @@ def _without_mesh_context(fn):
 
 
 def _fwd_shardings(mesh, arg_shapes, lower, static, band_call):
-    (q_like, kv, row), _, plan = _local_shardings(mesh, arg_shapes, static)
+    segments = len(arg_shapes) > len(_FWD_OPERANDS)
+    (q_like, kv, row, ids), _, plan = _local_shardings(mesh, arg_shapes, static, segments)
     if plan is not None:
         lower = _without_mesh_context(functools.partial(
             cp.sharded_fwd, plan=plan, call=band_call(static["softmax_scale"])
         ))
-    return (q_like, row), (q_like, kv, kv), lower
+    return (q_like, row), (q_like, kv, kv) + (ids, ids) * segments, lower
 
 
 def _bwd_shardings(mesh, arg_shapes, lower, static, band_call):
-    (q_like, kv, row), partial_axes, plan = _local_shardings(mesh, arg_shapes, static)
+    segments = len(arg_shapes) > len(_BWD_OPERANDS)
+    (q_like, kv, row, ids), partial_axes, plan = _local_shardings(mesh, arg_shapes, static,
+                                                                  segments)
     if plan is not None:
         lower = _without_mesh_context(functools.partial(
             cp.sharded_bwd, plan=plan,
@@ -302,7 +318,8 @@ def _bwd_shardings(mesh, arg_shapes, lower, static, band_call):
 
             return dq, total(dk), total(dv)
 
-    return (q_like, kv, kv), (q_like, kv, kv, q_like, q_like, row, row), lower
+    args = (q_like, kv, kv, q_like, q_like, row, row) + (ids, ids) * segments
+    return (q_like, kv, kv), args, lower
 
 
 def _fwd_result_specs(specs):
@@ -315,10 +332,12 @@ def _bwd_result_specs(specs):
 
 
 def partitioned_fwd(call, band_call):
-    """call(q, k, v, **static) -> (out, lse), partitioned by the forward rule."""
+    """call(q, k, v, [q_ids, kv_ids,] **static) -> (out, lse), partitioned by the
+    forward rule."""
     return _partitioned(call, _fwd_rule, _fwd_shardings, _fwd_result_specs, band_call)
 
 
 def partitioned_bwd(call, band_call):
-    """call(q, k, v, out, dout, lse, dlse, **static) -> (dq, dk, dv), by the backward rule."""
+    """call(q, k, v, out, dout, lse, dlse, [q_ids, kv_ids,] **static) -> (dq, dk, dv),
+    by the backward rule."""
     return _partitioned(call, _bwd_rule, _bwd_shardings, _bwd_result_specs, band_call)

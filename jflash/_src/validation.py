@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -145,6 +146,39 @@ def check_window_size(window_size):
                              f"unbounded; got {int(side)}")
         sides.append(int(side))
     return tuple(sides)
+
+
+# Integer dtypes whose values int32 holds exactly (the kernels compare int32 ids).
+_SEGMENT_ID_DTYPES = tuple(jnp.dtype(t) for t in (jnp.int8, jnp.int16, jnp.int32, jnp.uint8,
+                                                  jnp.uint16))
+
+
+def check_segment_ids(q_segment_ids, kv_segment_ids, q_shape, k_shape):
+    """Validates segment ids against q [batch, seq_q, ...] and k [batch, seq_k, ...]
+    shapes: both or neither, [batch, seq_q] and [batch, seq_k], an integer dtype
+    that int32 holds (as jax stores it: without jax_enable_x64 a NumPy int64 array
+    becomes int32). Returns them as int32 arrays, or None."""
+    given = {"q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids}
+    missing = [name for name, x in given.items() if x is None]
+    if len(missing) == 2:
+        return None
+    if missing:
+        other = "kv_segment_ids" if missing[0] == "q_segment_ids" else "q_segment_ids"
+        raise ValueError(f"{other} is given but {missing[0]} is None; pass both segment ids "
+                         "or neither")
+    for name, x, expected, dims in (
+        ("q_segment_ids", q_segment_ids, (q_shape[0], q_shape[1]), "[batch, seq_q] of query"),
+        ("kv_segment_ids", kv_segment_ids, (k_shape[0], k_shape[1]), "[batch, seq_k] of key"),
+    ):
+        shape, dtype = _shape_dtype(name, x)
+        if not jnp.issubdtype(dtype, jnp.integer):
+            raise TypeError(f"{name} must be an integer array (int32 ids), got dtype {dtype}")
+        if jnp.dtype(jax.dtypes.canonicalize_dtype(dtype)) not in _SEGMENT_ID_DTYPES:
+            raise TypeError(f"{name} has dtype {dtype}; segment ids are int32 (or a narrower "
+                            "integer type): cast them with .astype(jnp.int32)")
+        if shape != expected:
+            raise ValueError(f"{name} must have shape {dims}, {expected}, got shape {shape}")
+    return tuple(jnp.asarray(x).astype(jnp.int32) for x in (q_segment_ids, kv_segment_ids))
 
 
 def check_bool(name, value):

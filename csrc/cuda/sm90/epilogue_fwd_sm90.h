@@ -71,7 +71,7 @@ struct FwdEpilogueSm90 {
     float* lse_ptr = params.lse + (int64_t(tile.batch) * params.num_heads + tile.head) * params.seqlen_q;
     if constexpr (Traits::kSmemEpilogue) {
       normalize_output(o_rc, cO_rc, softmax.row_max, softmax.row_sum, tile.row_begin,
-                       params.seqlen_q, Mask(params.mask), params.seqlen_k, tidx % 4 == 0,
+                       params.seqlen_q, Mask(params.mask, tile.batch), params.seqlen_k, tidx % 4 == 0,
                        lse_ptr);
       Tensor o = convert_fragment<Element>(acc_o);
       // The warpgroup's previous TMA store must have read the slab before it
@@ -91,7 +91,7 @@ struct FwdEpilogueSm90 {
       }
     } else {
       store_output<Element>(acc_o, o_rc, cO, cO_rc, softmax.row_max, softmax.row_sum,
-                            tile.row_begin, params.seqlen_q, Mask(params.mask),
+                            tile.row_begin, params.seqlen_q, Mask(params.mask, tile.batch),
                             params.seqlen_k, tidx % 4 == 0, lse_ptr,
                             static_cast<Element*>(params.out) + tile.batch * params.out_batch_stride +
                                 tile.head * params.out_head_stride,

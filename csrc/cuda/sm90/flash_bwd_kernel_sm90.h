@@ -116,7 +116,7 @@ __device__ __forceinline__ void write_dq(const BwdArgsSm90<Traits>& args,
     if (steps.ordered()) {
       semaphore =
           dq_semaphore_at(params, batch, head, m_block, consumer, Traits::kConsumerWarpgroups);
-      dq_semaphore_wait(semaphore, n_block - steps.first_key_block(params, m_block));
+      dq_semaphore_wait(semaphore, n_block - steps.first_key_block(params, m_block, batch));
       fence_async_global();  // the acquire, before this reduce-add
     }
     Tensor gdQ = local_tile(mdQ(_, _, head, batch),
@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int n_block = unit.n_block;
   const int kv_head = unit.kv_head;
   const int batch = unit.batch;
-  const KeyBlockSteps<kBlockM, kBlockN, Mask> steps(params, n_block, kv_head, unit.split,
+  const KeyBlockSteps<kBlockM, kBlockN, Mask> steps(params, n_block, kv_head, batch, unit.split,
                                                     params.head_splits);
 
   const int warpgroup = threadIdx.x / 128;
@@ -281,7 +281,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kCols = decltype(size<1>(cS_rc))::value;  // query rows it holds
 
   const int key0 = n_block * kBlockN;
-  const Mask mask(params.mask);
+  const Mask mask(params.mask, batch);
   // The per-element test, built before the loop: its barriers and fences
   // would make the compiler reload the bounds per step.
   const auto visible = mask.template element_test<int>();

@@ -335,7 +335,7 @@ struct FwdMainloopSm90 {
     Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
     const int n_tiles = tile.n_tiles;
     const int n_block_begin = tile.n_block_begin;
-    mask.set_rows(tile.row_begin, cS_rc());
+    mask.set_rows(tile.row_begin, tile.batch, cS_rc());
     softmax.reset();
     clear(acc_o);
     if (n_tiles <= 0) return;

@@ -47,7 +47,7 @@ struct ScoreMaskSm90 {
   // The key ranges of this thread's rows of the tile that starts at query row
   // row_begin; cS_rc: the (row, col) coordinates of its scores in the tile.
   template <typename CoordRowCol>
-  __device__ __forceinline__ void set_rows(int row_begin, const CoordRowCol& cS_rc) {
+  __device__ __forceinline__ void set_rows(int row_begin, int batch, const CoordRowCol& cS_rc) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const int row = row_begin + get<0>(cS_rc(r, 0));
@@ -56,7 +56,7 @@ struct ScoreMaskSm90 {
       if (row >= params.seqlen_q) {
         key_hi[r] = params.seqlen_k + kBlockN;
       } else if constexpr (!Mask::kDense) {
-        const IndexRange keys = Mask(params.mask).row_keys(row, params.seqlen_k);
+        const IndexRange keys = Mask(params.mask, batch).row_keys(row, params.seqlen_k);
         key_lo[r] = static_cast<int>(keys.begin);
         key_hi[r] = static_cast<int>(keys.end);
       }

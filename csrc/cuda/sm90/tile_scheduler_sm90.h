@@ -113,7 +113,7 @@ class TileSchedulerSm90 {
     tile.row_begin = tile.m_block * kBlockM;
     tile.row_end = min(tile.row_begin + kBlockM, params_.seqlen_q);
     const BlockSpan n_blocks = blocks_covering<kBlockN>(
-        Mask(params_.mask).keys_of_rows(tile.row_begin, tile.row_end, params_.seqlen_k));
+        Mask(params_.mask, tile.batch).keys_of_rows(tile.row_begin, tile.row_end, params_.seqlen_k));
     tile.n_block_begin = n_blocks.first;
     tile.n_tiles = n_blocks.count;
     return tile;
@@ -190,9 +190,9 @@ class BwdSchedulerSm90 {
                                      params.mask.diag_hi, sm_count};
     std::lock_guard<std::mutex> lock(mutex);
     if (auto it = chosen.find(key); it != chosen.end()) return it->second;
-    // Query blocks each key block visits.
+    // Query blocks each key block visits (by the band: segment ids live on the device).
     std::vector<int64_t> visits(n_blocks);
-    const Mask mask(params.mask);
+    const auto mask = Mask(params.mask, 0).band();
     for (int n = 0; n < n_blocks; ++n) {
       const int key0 = n * kBlockN;
       visits[n] = blocks_covering<kBlockM>(

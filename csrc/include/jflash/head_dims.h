@@ -7,6 +7,10 @@
 // index their kernel tables by kernel_head_dim_index, the FFI checks bound
 // head_dim by kMaxKernelHeadDim, and Python reads the list from the CPU
 // library (jflash_kernel_head_dims; jflash/_src/kernel_calls.py).
+//
+// Calls with segment ids (MaskKind::kSegments) run on kernels built for
+// kSegmentHeadDims only, a subset that bounds the build; Python pads their
+// head dims up to the next of these (jflash_segment_head_dims), exactly as above.
 #pragma once
 
 namespace jflash {
@@ -14,6 +18,11 @@ namespace jflash {
 inline constexpr int kKernelHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 inline constexpr int kNumKernelHeadDims = sizeof(kKernelHeadDims) / sizeof(kKernelHeadDims[0]);
 inline constexpr int kMaxKernelHeadDim = kKernelHeadDims[kNumKernelHeadDims - 1];
+
+inline constexpr int kSegmentHeadDims[] = {64, 128, 256};
+inline constexpr int kNumSegmentHeadDims = sizeof(kSegmentHeadDims) / sizeof(kSegmentHeadDims[0]);
+static_assert(kSegmentHeadDims[kNumSegmentHeadDims - 1] == kMaxKernelHeadDim,
+              "every head dim pads up to a segment head dim");
 
 // The position of head_dim in kKernelHeadDims, or -1 where it is not an entry
 // (host code: the registry and the handlers).
