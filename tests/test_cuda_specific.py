@@ -186,8 +186,6 @@ def test_segments_against_reference(rng, case, dtype):
 @pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
 def test_segments_on_sm80_kernels():
     """The segment cases on the sm80 forward and backward, forced on Hopper."""
-    if os.environ.get("JFLASH_CUDA_FORWARD") or os.environ.get("JFLASH_CUDA_BACKWARD"):
-        pytest.skip("already under a JFLASH_CUDA_FORWARD / JFLASH_CUDA_BACKWARD")
     _pytest_in_subprocess("test_segments_against_reference or test_segments_deterministic",
                           JFLASH_CUDA_FORWARD="sm80", JFLASH_CUDA_BACKWARD="sm80")
 
@@ -397,6 +395,8 @@ def test_small_smem_segments_against_reference(rng, case):
 
 def test_small_smem_tiles():
     """The small-shared-memory tiles, forced on this GPU, against the reference."""
+    # Skipped before the checks below, which assume no cap (the subprocess
+    # call would skip too, but only after them).
     if os.environ.get("JFLASH_CUDA_SMEM_LIMIT"):
         pytest.skip("already under a JFLASH_CUDA_SMEM_LIMIT")
     # Without the cap, a Hopper GPU runs tiles that need more than 99 KB for
@@ -410,7 +410,14 @@ def test_small_smem_tiles():
 
 
 def _pytest_in_subprocess(test_name, **env):
-    """Runs this file's test_name in a fresh process with env set; all must pass."""
+    """Runs this file's test_name in a fresh process with env set; all must pass.
+
+    Skips where this process already runs under one of those variables (it is
+    itself such a subprocess, or the caller set one for the whole run).
+    """
+    already = [name for name in env if os.environ.get(name)]
+    if already:
+        pytest.skip(f"already under {' / '.join(already)}")
     result = subprocess.run(
         [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
          str(pathlib.Path(__file__).resolve()), "-k", test_name],
@@ -559,8 +566,6 @@ def test_grid_limits_vmap(rng):
 @pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
 def test_grid_limits_with_sm80_kernels():
     """The large-grid cases on the sm80 forward and backward, forced on Hopper."""
-    if os.environ.get("JFLASH_CUDA_FORWARD") or os.environ.get("JFLASH_CUDA_BACKWARD"):
-        pytest.skip("already under a JFLASH_CUDA_FORWARD / JFLASH_CUDA_BACKWARD")
     _pytest_in_subprocess("test_grid_limits_against_reference or test_grid_limits_vmap",
                           JFLASH_CUDA_FORWARD="sm80", JFLASH_CUDA_BACKWARD="sm80")
 
@@ -607,8 +612,6 @@ def test_sm80_backward_against_reference(rng, case):
 @pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
 def test_sm80_backward_on_hopper():
     """JFLASH_CUDA_BACKWARD=sm80 runs (and checks) the sm80 backward on Hopper."""
-    if os.environ.get("JFLASH_CUDA_BACKWARD"):
-        pytest.skip("already under a JFLASH_CUDA_BACKWARD")
     _pytest_in_subprocess("test_sm80_backward_against_reference", JFLASH_CUDA_BACKWARD="sm80")
 
 
@@ -682,8 +685,6 @@ def test_head_split_against_reference(rng, case, dtype):
 @pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
 @pytest.mark.parametrize("splits", ["1", "2", "4"])
 def test_head_splits(splits):
-    if os.environ.get("JFLASH_CUDA_BWD_HEAD_SPLITS"):
-        pytest.skip("already under a JFLASH_CUDA_BWD_HEAD_SPLITS")
     _pytest_in_subprocess("test_head_split_against_reference", JFLASH_CUDA_BWD_HEAD_SPLITS=splits)
 
 

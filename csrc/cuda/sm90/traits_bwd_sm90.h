@@ -30,6 +30,7 @@ struct BwdTraitsSm90 {
   // shared memory) rather than the keys (tile_sizes.h, Sm90BwdTile).
   static constexpr bool kPdSShared = kTile.p_ds_shared;
   static constexpr int kDqBuffers = kTile.dq_buffers;
+  // Two consumers: the register budget below assumes them.
   static constexpr int kConsumerWarpgroups = 2;
   static_assert(kBlockN == (kPdSShared ? 64 : 64 * kConsumerWarpgroups),
                 "64 keys per consumer, or 64 shared by both");
@@ -38,20 +39,20 @@ struct BwdTraitsSm90 {
   // setmaxnreg: 24 * 128 + 240 * 256 <= 64K registers of the SM.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
-  static_assert(kConsumerWarpgroups == 2, "the register budget assumes two consumers");
   static_assert(2 * kBlockM <= kConsumerThreads, "a consumer thread per row loads lse or delta");
 
   // Consumer warpgroups along M (keys) or N (query or head-dim columns).
   using AlongM = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
   using AlongN = Layout<Shape<_1, Int<kConsumerWarpgroups>, _1>>;
-  using SplitKeys = std::conditional_t<kPdSShared, AlongN, AlongM>;
+  // How the consumers share S^T, dP^T, dV and dK: by keys, or by columns.
+  using ConsumerSplit = std::conditional_t<kPdSShared, AlongN, AlongM>;
   // Each consumer's share of N in the S^T, dP^T and the dV, dK products.
   static constexpr int kSdPCols = kPdSShared ? kBlockM / kConsumerWarpgroups : kBlockM;
   static constexpr int kdKVCols = kPdSShared ? kHeadDim / kConsumerWarpgroups : kHeadDim;
   // S^T = K Q^T, dP^T = V dO^T: M = block_n, N = block_m, K = head_dim; both K-major.
   using TiledMmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kSdPCols>, Int<kHeadDim>>>(),
-      SplitKeys{}));
+      ConsumerSplit{}));
   // dV += P^T dO, dK += dS^T Q: M = block_n, N = head_dim, K = block_m; B (dO,
   // Q as head_dim x block_m) MN-major: head_dim is contiguous. A from
   // registers, or with kPdSShared from the P^T and dS^T buffers (K-major: the
@@ -64,7 +65,7 @@ struct BwdTraitsSm90 {
                                         GMMA::Major::MN>()),
           decltype(GMMA::rs_op_selector<Element, Element, float, dKVAtomShape, GMMA::Major::K,
                                         GMMA::Major::MN>())>{},
-      SplitKeys{}));
+      ConsumerSplit{}));
   // dQ = dS K: M = block_m, N = head_dim, K = block_n; dS stored with the
   // query rows contiguous and K read as head_dim x block_n: both MN-major.
   using TiledMmadQ = decltype(make_tiled_mma(
