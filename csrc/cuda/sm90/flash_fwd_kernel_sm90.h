@@ -96,7 +96,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const auto tile = scheduler.tile_at(t);
     if (!tile.valid) continue;
     mainloop.mma(tile, acc_o, softmax);
-    epilogue.template store<Mask>(tile, acc_o, softmax);
+    if constexpr (Mask::kHasSegments) {
+      epilogue.template store<Mask>(tile, acc_o, softmax, mainloop.mask.row_seen);
+    } else {
+      epilogue.template store<Mask>(tile, acc_o, softmax);
+    }
   }
   epilogue.finish();
 }

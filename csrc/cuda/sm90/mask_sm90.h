@@ -38,6 +38,13 @@ struct ScoreMaskSm90 {
   // inf: then their sums are NaN, which only costs the stale-max redo).
   int key_lo[kRows];
   int key_hi[kRows];
+  // Segment ids (Mask::kHasSegments; SegmentMask): the batch entry, the ids of
+  // this thread's rows, and whether each row has seen a visible key in this
+  // thread's columns (row_keys is only a hull there: the epilogue's no-key
+  // test reads these).
+  int batch = 0;
+  int32_t row_id[kRows];
+  bool row_seen[kRows];
 
   __device__ __forceinline__ explicit ScoreMaskSm90(const FwdParams& params_)
       : params(params_),
@@ -47,7 +54,7 @@ struct ScoreMaskSm90 {
   // The key ranges of this thread's rows of the tile that starts at query row
   // row_begin; cS_rc: the (row, col) coordinates of its scores in the tile.
   template <typename CoordRowCol>
-  __device__ __forceinline__ void set_rows(int row_begin, int batch, const CoordRowCol& cS_rc) {
+  __device__ __forceinline__ void set_rows(int row_begin, int batch_, const CoordRowCol& cS_rc) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const int row = row_begin + get<0>(cS_rc(r, 0));
@@ -56,9 +63,14 @@ struct ScoreMaskSm90 {
       if (row >= params.seqlen_q) {
         key_hi[r] = params.seqlen_k + kBlockN;
       } else if constexpr (!Mask::kDense) {
-        const IndexRange keys = Mask(params.mask, batch).row_keys(row, params.seqlen_k);
+        const IndexRange keys = Mask(params.mask, batch_).row_keys(row, params.seqlen_k);
         key_lo[r] = static_cast<int>(keys.begin);
         key_hi[r] = static_cast<int>(keys.end);
+      }
+      if constexpr (Mask::kHasSegments) {
+        batch = batch_;
+        row_id[r] = row < params.seqlen_q ? Mask(params.mask, batch_).row_segment(row) : 0;
+        row_seen[r] = false;
       }
     }
   }
@@ -67,7 +79,10 @@ struct ScoreMaskSm90 {
   // band or the sequence end cuts, in place; returns whether it touched any.
   template <typename ScoresRowCol, typename CoordRowCol>
   __device__ __forceinline__ bool mask_scores(int n_block, ScoresRowCol& s_rc,
-                                              const CoordRowCol& cS_rc) const {
+                                              const CoordRowCol& cS_rc) {
+    if constexpr (Mask::kHasSegments) {
+      return mask_segment_scores(n_block, s_rc, cS_rc);
+    }
     const int key0 = n_block * kBlockN;
     bool needs_mask = key0 + kBlockN > params.seqlen_k;  // all rows alike when dense
     if constexpr (!Mask::kDense) {
@@ -111,6 +126,56 @@ struct ScoreMaskSm90 {
       }
     }
     return needs_mask;
+  }
+
+  // mask_scores under segment ids: a warp masks per element unless, for all its
+  // rows, the band cuts nothing and every key of the tile holds the row's id.
+  // A score is hidden outside the row's key range or where the ids differ.
+  template <typename ScoresRowCol, typename CoordRowCol>
+  __device__ __forceinline__ bool mask_segment_scores(int n_block, ScoresRowCol& s_rc,
+                                                      const CoordRowCol& cS_rc) {
+    const int key0 = n_block * kBlockN;
+    const Mask mask(params.mask, batch);
+    const auto keys = mask.key_ids(key0, key0 + kBlockN);
+    bool cut = false;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      // Rows past seqlen_q (key_hi past seqlen_k, set_rows) are never stored.
+      const bool one_id = (keys.min_id == keys.max_id && row_id[r] == keys.min_id) ||
+                          key_hi[r] > params.seqlen_k;
+      cut |= key_lo[r] > key0 || key_hi[r] < key0 + kBlockN || !one_id;
+    }
+    const bool needs_mask = __any_sync(0xffffffff, cut);
+    if (!needs_mask) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) row_seen[r] = true;
+      return false;
+    }
+    // Column c of this thread is key key0 + col0 + dc(c), dc a constant.
+    const int col0 = get<1>(cS_rc(0, 0));
+    int32_t key_id[kCols];
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      const int key = key0 + get<1>(cS_rc(0, c));
+      key_id[c] = key < params.seqlen_k ? mask.key_segment(key) : 0;
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int lo = key_lo[r] - key0 - col0;
+      const int hi = key_hi[r] - key0 - col0;
+      bool seen = false;
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        const int dc = get<1>(cS_rc(r, c)) - col0;
+        const bool visible = dc >= lo && dc < hi && row_id[r] == key_id[c];
+        // A zero scale: the scaled score 0 * s, as in mask_scores.
+        const float kept = zero_scale ? s_rc(r, c) * 0.f : s_rc(r, c);
+        s_rc(r, c) = visible ? kept : (zero_scale ? -INFINITY : hidden_score);
+        seen |= visible;
+      }
+      row_seen[r] |= seen;
+    }
+    return true;
   }
 };
 

@@ -361,6 +361,17 @@ class SegmentMask {
            row_segment(i) == key_segment(j);
   }
 
+  // The least and greatest id of keys [c0, c1) (clipped to seqlen_k): whether
+  // a block of keys holds one id, for kernels that classify tiles by the ids of
+  // their own rows (the Hopper forward, per warp).
+  struct IdRange {
+    int32_t min_id, max_id;
+  };
+  JFLASH_HOST_DEVICE IdRange key_ids(int64_t c0, int64_t c1) const {
+    const SegmentBlock k = keys_summary(c0, c1);
+    return {k.min_id, k.max_id};
+  }
+
   // The ids of row i < seqlen_q and key j < seqlen_k.
   JFLASH_HOST_DEVICE int32_t row_segment(int64_t i) const {
     return load(s_.q_ids + int64_t{batch_} * s_.seqlen_q + i);
