@@ -40,7 +40,7 @@ DTYPES = {
 # the directions in SEGMENT_DIRECTIONS.
 MASKS = {"full": ("NoMask", "kNone"), "band": ("BandMask", "kBand"),
          "segments": ("SegmentMask", "kSegments")}
-SEGMENT_DIRECTIONS = ("fwd", "bwd", "fwd_small", "bwd_small", "fwd_sm90")
+SEGMENT_DIRECTIONS = ("fwd", "bwd", "fwd_small", "bwd_small", "fwd_sm90", "bwd_sm90")
 # direction: (header, registration expression, head dims)
 DIRECTIONS = {
     "fwd": (
