@@ -176,10 +176,7 @@ def test_segments_against_reference(rng, case, dtype):
 @pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
 def test_segments_on_sm80_kernels():
     """The segment cases on the sm80 forward and backward, forced on Hopper."""
-    if os.environ.get("JFLASH_CUDA_FORWARD") or os.environ.get("JFLASH_CUDA_BACKWARD"):
-        pytest.skip("already under a JFLASH_CUDA_FORWARD / JFLASH_CUDA_BACKWARD")
-    _pytest_in_subprocess("test_segments_against_reference or test_segments_deterministic",
-                          JFLASH_CUDA_FORWARD="sm80", JFLASH_CUDA_BACKWARD="sm80")
+    _on_sm80_kernels("test_segments_against_reference or test_segments_deterministic")
 
 
 # Deterministic mode with segment ids orders dQ by the band's key blocks (the
@@ -410,6 +407,14 @@ def _pytest_in_subprocess(test_name, **env):
     assert " passed" in result.stdout, result.stdout[-2000:]
 
 
+def _on_sm80_kernels(test_names):
+    """Runs this file's test_names in a subprocess with the sm80 forward and
+    backward forced (JFLASH_CUDA_FORWARD / _BACKWARD=sm80, read once per process)."""
+    if os.environ.get("JFLASH_CUDA_FORWARD") or os.environ.get("JFLASH_CUDA_BACKWARD"):
+        pytest.skip("already under a JFLASH_CUDA_FORWARD / JFLASH_CUDA_BACKWARD")
+    _pytest_in_subprocess(test_names, JFLASH_CUDA_FORWARD="sm80", JFLASH_CUDA_BACKWARD="sm80")
+
+
 def _assert_setting_rejected(variable, value, setup, call):
     """In a fresh process with variable=value, `call` (after `setup`) raises an
     error that names the variable: a malformed setting is never ignored."""
@@ -549,10 +554,7 @@ def test_grid_limits_vmap(rng):
 @pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
 def test_grid_limits_with_sm80_kernels():
     """The large-grid cases on the sm80 forward and backward, forced on Hopper."""
-    if os.environ.get("JFLASH_CUDA_FORWARD") or os.environ.get("JFLASH_CUDA_BACKWARD"):
-        pytest.skip("already under a JFLASH_CUDA_FORWARD / JFLASH_CUDA_BACKWARD")
-    _pytest_in_subprocess("test_grid_limits_against_reference or test_grid_limits_vmap",
-                          JFLASH_CUDA_FORWARD="sm80", JFLASH_CUDA_BACKWARD="sm80")
+    _on_sm80_kernels("test_grid_limits_against_reference or test_grid_limits_vmap")
 
 
 @pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
