@@ -93,6 +93,12 @@ CASES = [
     (2, 1000, 1025, 8, 2, 128, -1000, 1025 - 1000),
     (1, 513, 385, 8, 2, 64, None, None),
     (1, 700, 700, 4, 1, 128, -150, 40),  # window: each key block visits a few query blocks
+    # Head dim 256: 64 keys per CTA shared by both consumers (P^T and dS^T
+    # through shared memory), one Q/dO buffer and one dQ staging buffer.
+    (2, 1000, 1025, 8, 2, 256, -1000, 1025 - 1000),
+    (1, 513, 385, 8, 1, 256, None, None),  # MQA; a last key block of one key
+    (1, 700, 700, 4, 2, 256, -150, 40),
+    (1, 63, 1, 2, 2, 256, None, None),
 ]
 
 
@@ -105,13 +111,15 @@ def _case_id(case):
 def _run(fn, q, k, v, g_out, g_lse):
     """(out, lse, dq, dk, dv) with the lse cotangent included (masked rows excluded)."""
 
-    def loss(q, k, v):
+    # The cotangents are arguments, not constants baked into the program: XLA
+    # took minutes to compile programs holding tens of MB of constants.
+    def loss(q, k, v, g_out, g_lse):
         out, lse = fn(q, k, v)
         finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
         return jnp.sum(out.astype(jnp.float32) * g_out) + jnp.sum(finite_lse * g_lse), (out, lse)
 
     (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
-        q, k, v
+        q, k, v, g_out, g_lse
     )
     return (out, lse, *grads)
 
@@ -124,10 +132,10 @@ def test_against_reference(rng, case, dtype):
 
 # Segment ids (packed documents) on the CUDA kernels: SegmentMask's instantiations
 # (head dims 64, 128, 256; other head dims pad up to them). On Hopper the
-# forward runs the Hopper kernel (192-row tiles at head dim 64 past 1024 rows,
-# 128 below), the backward the Hopper one at head dims 64 and 128 and the sm80
-# one at 256; test_segments_on_sm80_kernels runs the same cases on the sm80
-# kernels, test_small_smem_tiles its own on the 99 KB tiles.
+# forward and backward run the Hopper kernels (the forward's 192-row tiles at
+# head dim 64 past 1024 rows, 128 below); test_segments_on_sm80_kernels runs
+# the same cases on the sm80 kernels, test_small_smem_tiles its own on the
+# 99 KB tiles.
 # (batch, seq_q, seq_k, heads, heads_kv, head_dim, causal, window_size, kind;
 # tests/segments.py describes the kinds of ids.)
 SEGMENT_CASES = [
@@ -169,19 +177,20 @@ def test_segments_against_reference(rng, case, dtype):
     if os.environ.get("JFLASH_CUDA_FORWARD") == "sm80":
         _assert_segment_kernels(padded, 80, 80)
     elif _is_hopper():
-        _assert_segment_kernels(padded, 90, 90 if padded in (64, 128) else 80)
+        _assert_segment_kernels(padded, 90, 90)
     _kernel_call(lambda: check_segments(rng, case, dtype, _segments_call()))
 
 
 @pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
 def test_segments_on_sm80_kernels():
     """The segment cases on the sm80 forward and backward, forced on Hopper."""
-    _on_sm80_kernels("test_segments_against_reference or test_segments_deterministic")
+    _pytest_in_subprocess("test_segments_against_reference or test_segments_deterministic",
+                          JFLASH_CUDA_FORWARD="sm80", JFLASH_CUDA_BACKWARD="sm80")
 
 
 # Deterministic mode with segment ids orders dQ by the band's key blocks (the
-# tiles of other documents in them computed fully masked): the Hopper backward
-# (64, 128) and the sm80 one (256).
+# tiles of other documents in them computed fully masked), on the Hopper
+# backward at head dims 64, 128 and 256.
 SEGMENT_DETERMINISTIC_CASES = [
     (1, 1500, 1500, 8, 2, 128, True, None, "packed"),
     (1, 1000, 1200, 4, 4, 64, False, None, "long"),
@@ -384,6 +393,8 @@ def test_small_smem_segments_against_reference(rng, case):
 
 def test_small_smem_tiles():
     """The small-shared-memory tiles, forced on this GPU, against the reference."""
+    # Skipped before the checks below, which assume no cap (the subprocess
+    # call would skip too, but only after them).
     if os.environ.get("JFLASH_CUDA_SMEM_LIMIT"):
         pytest.skip("already under a JFLASH_CUDA_SMEM_LIMIT")
     # Without the cap, a Hopper GPU runs tiles that need more than 99 KB for
@@ -397,7 +408,14 @@ def test_small_smem_tiles():
 
 
 def _pytest_in_subprocess(test_name, **env):
-    """Runs this file's test_name in a fresh process with env set; all must pass."""
+    """Runs this file's test_name in a fresh process with env set; all must pass.
+
+    Skips where this process already runs under one of those variables (it is
+    itself such a subprocess, or the caller set one for the whole run).
+    """
+    already = [name for name in env if os.environ.get(name)]
+    if already:
+        pytest.skip(f"already under {' / '.join(already)}")
     result = subprocess.run(
         [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
          str(pathlib.Path(__file__).resolve()), "-k", test_name],
@@ -405,14 +423,6 @@ def _pytest_in_subprocess(test_name, **env):
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout, result.stdout[-2000:]
-
-
-def _on_sm80_kernels(test_names):
-    """Runs this file's test_names in a subprocess with the sm80 forward and
-    backward forced (JFLASH_CUDA_FORWARD / _BACKWARD=sm80, read once per process)."""
-    if os.environ.get("JFLASH_CUDA_FORWARD") or os.environ.get("JFLASH_CUDA_BACKWARD"):
-        pytest.skip("already under a JFLASH_CUDA_FORWARD / JFLASH_CUDA_BACKWARD")
-    _pytest_in_subprocess(test_names, JFLASH_CUDA_FORWARD="sm80", JFLASH_CUDA_BACKWARD="sm80")
 
 
 def _assert_setting_rejected(variable, value, setup, call):
@@ -457,7 +467,7 @@ def test_repeatable(rng):
 # Deterministic mode (dq added in key-block order): many key blocks per query
 # block, so that the default order varies between runs; GQA groups walked by
 # one CTA; bands whose first key block differs per query block; the Hopper
-# backward (head dims 64, 128) and the sm80 one (256).
+# backward at head dims 64, 128 and 256 (the sm80 one on other GPUs).
 DETERMINISTIC_CASES = [
     (2, 2048, 2048, 8, 2, 128, None, None),
     (1, 1500, 2000, 8, 8, 128, -1500, 2000 - 1500),  # bottom-right causal
@@ -481,13 +491,13 @@ def test_deterministic_gradients(rng, case):
     v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), jnp.bfloat16)
     g_out = jnp.asarray(rng.standard_normal((b, sq, h, d)), jnp.float32)
 
-    def loss(q, k, v):
+    def loss(q, k, v, g_out):
         return jnp.sum(attention_band(q, k, v, **kw)[0].astype(jnp.float32) * g_out)
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    first = [np.asarray(g) for g in _kernel_call(lambda: grad(q, k, v))]
+    first = [np.asarray(g) for g in _kernel_call(lambda: grad(q, k, v, g_out))]
     for _ in range(8):
-        again = grad(q, k, v)
+        again = grad(q, k, v, g_out)
         for name, a, b_ in zip(("dq", "dk", "dv"), first, again):
             assert np.array_equal(a, np.asarray(b_)), f"{name} differs between runs"
 
@@ -554,25 +564,26 @@ def test_grid_limits_vmap(rng):
 @pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
 def test_grid_limits_with_sm80_kernels():
     """The large-grid cases on the sm80 forward and backward, forced on Hopper."""
-    _on_sm80_kernels("test_grid_limits_against_reference or test_grid_limits_vmap")
+    _pytest_in_subprocess("test_grid_limits_against_reference or test_grid_limits_vmap",
+                          JFLASH_CUDA_FORWARD="sm80", JFLASH_CUDA_BACKWARD="sm80")
 
 
 @pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
 def test_hopper_kernels_are_selected():
     """On Hopper the forward and backward run the sm90 kernels wherever they were built."""
-    # The ci subset builds them for bfloat16 head dim 128; "all" for the forward's
-    # head dims 64/128/256 and the backward's 64/128.
+    # The ci subset builds them for bfloat16 head dim 128; "all" for head dims
+    # 64/128/256.
     for banded in (False, True):
         assert cuda_forward_family(jnp.bfloat16, 128, banded) == 90
         assert cuda_backward_family(jnp.bfloat16, 128, banded) == 90
     for dtype in DTYPES:
         for d in (64, 128, 256):
             assert cuda_forward_family(dtype, d, False) in (90, 0)
-        for d in (64, 128):
+        for d in (64, 128, 256):
             assert cuda_backward_family(dtype, d, False) in (90, 0)
         for d in (32, 96, 160):  # head dims the Hopper kernels leave to sm80
             assert cuda_forward_family(dtype, d, False) in (80, 0)
-        for d in (32, 96, 256):
+        for d in (32, 96, 160):
             assert cuda_backward_family(dtype, d, False) in (80, 0)
 
 
@@ -582,6 +593,7 @@ SM80_BACKWARD_CASES = [
     (1, 129, 1000, 4, 2, 128, None, None),
     (1, 300, 300, 2, 1, 128, -70, -5),
     (2, 511, 1537, 4, 1, 64, -511, 1537 - 511),
+    (1, 300, 700, 4, 2, 256, -300, 700 - 300),
 ]
 
 
@@ -598,8 +610,6 @@ def test_sm80_backward_against_reference(rng, case):
 @pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
 def test_sm80_backward_on_hopper():
     """JFLASH_CUDA_BACKWARD=sm80 runs (and checks) the sm80 backward on Hopper."""
-    if os.environ.get("JFLASH_CUDA_BACKWARD"):
-        pytest.skip("already under a JFLASH_CUDA_BACKWARD")
     _pytest_in_subprocess("test_sm80_backward_against_reference", JFLASH_CUDA_BACKWARD="sm80")
 
 
@@ -656,6 +666,7 @@ HEAD_SPLIT_CASES = [
     (1, 700, 700, 16, 2, 128, -150, 40),
     (3, 1500, 700, 16, 4, 128, -1500, 700 - 1500),
     (2, 300, 129, 4, 1, 64, -300, 129 - 300),
+    (1, 700, 900, 8, 1, 256, -700, 900 - 700),
 ]
 
 
@@ -672,8 +683,6 @@ def test_head_split_against_reference(rng, case, dtype):
 @pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
 @pytest.mark.parametrize("splits", ["1", "2", "4"])
 def test_head_splits(splits):
-    if os.environ.get("JFLASH_CUDA_BWD_HEAD_SPLITS"):
-        pytest.skip("already under a JFLASH_CUDA_BWD_HEAD_SPLITS")
     _pytest_in_subprocess("test_head_split_against_reference", JFLASH_CUDA_BWD_HEAD_SPLITS=splits)
 
 

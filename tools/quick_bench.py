@@ -1,4 +1,4 @@
-"""Quick GPU timing of jflash against jax's cuDNN attention (the peer), bfloat16.
+"""Quick GPU timing of jflash against jax's cuDNN attention (the peer), bfloat16 (--dtype).
 
 Benchmark convention (benchmarks/common.py): batch * seq = 16384 tokens,
 heads * head_dim = 2048 (--group: query heads per kv head); TFLOP/s forward = 4 B H S S D / t (halved for causal),
@@ -61,10 +61,11 @@ def main():
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--impls", nargs="+", default=["jflash", "cudnn"])
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--group", type=int, default=1,
                         help="query heads per kv head (GQA/MQA); 1: MHA")
     args = parser.parse_args()
-    print(f"device: {jax.devices()[0].device_kind}, {args.group} query heads per kv head")
+    print(f"device: {jax.devices()[0].device_kind}, {args.dtype}, {args.group} query heads per kv head")
     header = "".join(f" {name + ' ms':>10} {'TFLOP/s':>8}" for name in args.impls)
     print(f"{'mode':7} {'causal':6} {'hdim':>4} {'seq':>6}" + header)
     rng = np.random.default_rng(0)
@@ -74,8 +75,8 @@ def main():
             b, h = 16384 // s, 2048 // d
             if h % args.group:
                 parser.error(f"--group {args.group} does not divide {h} heads at head dim {d}")
-            q = jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16)
-            k, v = (jnp.asarray(rng.standard_normal((b, s, h // args.group, d)), jnp.bfloat16)
+            q = jnp.asarray(rng.standard_normal((b, s, h, d)), args.dtype)
+            k, v = (jnp.asarray(rng.standard_normal((b, s, h // args.group, d)), args.dtype)
                     for _ in range(2))
             for causal in causals:
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)

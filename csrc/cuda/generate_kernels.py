@@ -96,7 +96,7 @@ DIRECTIONS = {
         "    BwdKernel{{&sm90::run_flash_bwd_sm90<Element, {head_dim}, {mask_policy}>,\n"
         "              sm90::BwdTraitsSm90<Element, {head_dim}>::kSmemBytes,\n"
         "              &sm90::tma_compatible_bwd}})",
-        (64, 128),
+        (64, 128, 256),
     ),
 }
 

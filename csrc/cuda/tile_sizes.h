@@ -231,27 +231,43 @@ constexpr Sm90FwdTile sm90_fwd_tile_short_band(int head_dim) {
 
 // Hopper backward (csrc/cuda/sm90/flash_bwd_kernel_sm90.h): a CTA keeps
 // block_n keys' K, V and dK, dV accumulators on chip and walks the query
-// blocks; one producer warpgroup and block_n / 64 consumer warpgroups, 64 keys
-// each. Head dims without an entry run the sm80 backward on Hopper too.
+// blocks, with one producer warpgroup and two consumer warpgroups. Head dims
+// without an entry run the sm80 backward on Hopper too.
+//
+// Two ways to share the work between the consumers:
+//   keys (p_ds_shared false): 64 keys each (block_n = 128). P^T and dS^T stay
+//     in registers as the A operands of dV += P^T dO and dK += dS^T Q; only dS
+//     goes through shared memory, for dQ. dK and dV take 2 * 64 * head_dim /
+//     128 floats per thread: head dims up to 128.
+//   columns (p_ds_shared true): both consumers work on the same 64 keys
+//     (block_n = 64); S^T and dP^T are split by query columns, dK and dV by
+//     head-dim columns, so P^T and dS^T go through shared memory for the
+//     products that need all of them. dK and dV take 2 * 64 * head_dim / 256
+//     floats per thread: head dim 256 in 128.
 struct Sm90BwdTile {
   int block_m;   // query rows per step (the N of S^T = K Q^T, the K of dV, dK)
-  int block_n;   // keys per CTA: 64 per consumer warpgroup
+  int block_n;   // keys per CTA
   int q_stages;  // buffers of the Q and dO tiles (the next steps' load ahead)
+  bool p_ds_shared = false;  // the column split above
+  int dq_buffers = 2;        // dQ staging buffers per consumer
 };
 
-// registers per consumer thread: dK and dV accumulators 2 * 64 * head_dim /
-// 128 floats, S^T and dP^T block_m / 2 floats each, dQ block_m * head_dim /
-// 256 floats, under the setmaxnreg budget of 240.
+// registers per consumer thread: dK and dV accumulators (above), S^T and dP^T
+// block_n * block_m / 256 floats each, dQ block_m * head_dim / 256 floats,
+// under the setmaxnreg budget of 240.
 // smem = (2 * block_n + 2 * q_stages * block_m) * head_dim * 2 bytes (K, V,
-// Q and dO) + 2 * block_m * block_n * 2 bytes (dS, two buffers)
-// + 2 * block_m * head_dim * 4 bytes (the float32 dQ tile on its way to L2,
-// two buffers).
+// Q and dO) + 2 * block_m * block_n * 2 bytes (dS, two buffers; P^T as well
+// with p_ds_shared) + dq_buffers * block_m * head_dim * 4 bytes (the float32
+// dQ tile on its way to L2).
 constexpr Sm90BwdTile sm90_bwd_tile(int head_dim) {
   switch (head_dim) {
     // 224 KB. block_m 128 against 64: forward+backward +13-16% unmasked, +9%
     // causal (H100, seq 4k and 16k), for a 20-byte spill.
     case 64: return {128, 128, 2};
     case 128: return {64, 128, 2};  // 224 KB
+    // 225 KB: one Q/dO stage and one dQ buffer are what fit beside 64 keys'
+    // K and V and the P^T and dS buffers.
+    case 256: return {64, 64, 1, true, 1};
     default: return {0, 0, 0};
   }
 }

@@ -36,6 +36,10 @@
 //     delta come through shared memory too, loaded a step ahead by consumer
 //     threads and ordered by the same barrier. Each consumer stages its dQ
 //     slice in one of two shared-memory buffers for its writer.
+//   With Traits::kPdSShared (head dim 256) both consumers share the CTA's 64
+//     keys: S^T and dP^T split by query columns, dV and dK by head-dim
+//     columns, so P^T and dS^T both go through shared memory (a named barrier
+//     after each) and are the A operands of dV and dK from there.
 // docs/hopper_backward.md gives the measurement behind each choice.
 //
 // Deterministic mode (params.dq_semaphore set): each dQ reduce-add waits for
@@ -106,7 +110,7 @@ __device__ __forceinline__ void write_dq(const BwdArgsSm90<Traits>& args,
   for (int step = 0; step < steps.num_steps; ++step) {
     int head, m_block;
     steps.unit(step, head, m_block);
-    const RingSlot<2> slot(step);
+    const RingSlot<Traits::kDqBuffers> slot(step);
     EmptyBarrier::wait(&smem.dq_full[consumer][slot.stage], slot.phase);
     int* semaphore = nullptr;
     if (steps.ordered()) {
@@ -164,7 +168,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     CUTE_UNROLL
     for (int c = 0; c < Traits::kConsumerWarpgroups; ++c) {
       CUTE_UNROLL
-      for (int b = 0; b < 2; ++b) {
+      for (int b = 0; b < Traits::kDqBuffers; ++b) {
         EmptyBarrier::init(&smem.dq_full[c][b], 4);  // the consumer's four warps
         EmptyBarrier::init(&smem.dq_empty[c][b], 1);  // its writer
       }
@@ -285,6 +289,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Named barrier (CUTLASS numbering, past its reserved ones): both
   // consumers' dS^T rows are in shared memory.
   constexpr uint32_t kDsBarrier = 1;
+  // With kPdSShared: both consumers' P^T columns are in shared memory.
+  constexpr uint32_t kPBarrier = 2;
   // Counters of deterministic mode: params.h gives each query block of >= 32
   // rows two.
   static_assert(Traits::kConsumerWarpgroups <= 2 && kBlockM >= kDqSemaphoreRows);
@@ -421,15 +427,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
     }
     // dV += P^T dO   (block_n x head_dim), issued while dS^T is computed.
-    Tensor tdVrP = make_tensor<Element>(acc_as_a_operand(acc_s.layout()));
-    {
+    if constexpr (Traits::kPdSShared) {
+      // This consumer's P^T columns into shared memory; once both are there,
+      // the product over all of them for this consumer's head-dim columns.
+      Tensor sPt = make_tensor(make_smem_ptr(smem.p.begin()), typename Traits::SmemLayoutdSt{});
+      copy(smem_copy_ds, thr_copy_ds.retile_S(convert_fragment<Element>(acc_s)),
+           thr_copy_ds.partition_D(sPt)(_, _, _, buffer));
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kPBarrier);
+      Tensor tdVsPt = thr_dkv.partition_fragment_A(sPt);  // (MMA, MMA_M, MMA_K, buffer)
+      wgmma_issue<false>(mma_dkv, tdVsPt(_, _, _, buffer), tdVrdO(_, _, _, stage), acc_dv);
+    } else {
+      Tensor tdVrP = make_tensor<Element>(acc_as_a_operand(acc_s.layout()));
       Tensor p = convert_fragment<Element>(acc_s);
       Tensor dst = make_tensor(tdVrP.data(), acc_s.layout());
       CUTE_UNROLL
       for (int i = 0; i < size(p); ++i) dst(i) = p(i);
+      warpgroup_fence_operand(tdVrP);
+      wgmma_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage), acc_dv);
     }
-    warpgroup_fence_operand(tdVrP);
-    wgmma_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage), acc_dv);
 
     // dS^T = P^T * (dP^T - delta); 0 where P was masked (dP - delta may be
     // NaN there: a NaN in v, or a NaN row's delta).
@@ -456,20 +472,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor ds = convert_fragment<Element>(acc_dp);
     // dS^T rows into shared memory for the dQ product, then dK += dS^T Q.
     copy(smem_copy_ds, thr_copy_ds.retile_S(ds), tdSsdS(_, _, _, buffer));
-    Tensor tdKrdS = make_tensor<Element>(acc_as_a_operand(acc_dp.layout()));
-    {
+    if constexpr (!Traits::kPdSShared) {
+      Tensor tdKrdS = make_tensor<Element>(acc_as_a_operand(acc_dp.layout()));
       Tensor dst = make_tensor(tdKrdS.data(), acc_dp.layout());
       CUTE_UNROLL
       for (int i = 0; i < size(ds); ++i) dst(i) = ds(i);
+      warpgroup_fence_operand(tdKrdS);
+      wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), acc_dk);
     }
-    warpgroup_fence_operand(tdKrdS);
-    wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), acc_dk);
 
     // dQ = dS K   (block_m x this consumer's head-dim columns), once both
-    // consumers' dS^T rows are visible to the tensor cores.
+    // consumers' dS^T rows are visible to the tensor cores (and, with
+    // kPdSShared, dK += dS^T Q for its head-dim columns).
     if (next_row_stat) store_row_stat(step + 1, row_stat);
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsBarrier);
+    if constexpr (Traits::kPdSShared) {
+      Tensor tdKsdSt = thr_dkv.partition_fragment_A(sdSt);  // (MMA, MMA_M, MMA_K, buffer)
+      wgmma_issue<false>(mma_dkv, tdKsdSt(_, _, _, buffer), tdKrQ(_, _, _, stage), acc_dk);
+    }
     Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrK, acc_dq);
     warpgroup_wait<0>();
@@ -483,21 +504,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // dQ_accum += dS K (scaled in the convert kernel): registers -> this
     // consumer's staging buffer -> its writer's TMA reduce-add (write_dq),
     // which clips rows past seqlen_q. The buffer is free again once the
-    // reduce of two steps ago has read it. 8-byte shared stores: CuTe's
-    // element copy compiles to generic stores here (the swizzled address
-    // hides the state space).
-    const RingSlot<2> dq_slot(step);  // its stage is `buffer`
-    EmptyBarrier::wait(&smem.dq_empty[consumer][buffer], dq_slot.phase ^ 1);
+    // reduce of kDqBuffers steps ago has read it. 8-byte shared stores:
+    // CuTe's element copy compiles to generic stores here (the swizzled
+    // address hides the state space).
+    const RingSlot<Traits::kDqBuffers> dq_slot(step);
+    EmptyBarrier::wait(&smem.dq_empty[consumer][dq_slot.stage], dq_slot.phase ^ 1);
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dq); i += 2) {
       asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(
-                       cast_smem_ptr_to_uint(&tdQsdQ(_, _, _, buffer)(i))),
+                       cast_smem_ptr_to_uint(&tdQsdQ(_, _, _, dq_slot.stage)(i))),
                    "f"(acc_dq(i)), "f"(acc_dq(i + 1))
                    : "memory");
     }
     tma_store_fence();  // this thread's generic-proxy writes, visible to TMA
     __syncwarp();
-    if (warp_leader) EmptyBarrier::arrive(&smem.dq_full[consumer][buffer]);
+    if (warp_leader) EmptyBarrier::arrive(&smem.dq_full[consumer][dq_slot.stage]);
   }
 
   // dK and dV of the key block, written once, or added to the other shares'.

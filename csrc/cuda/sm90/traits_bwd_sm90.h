@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
@@ -25,29 +26,46 @@ struct BwdTraitsSm90 {
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.q_stages;
-  static constexpr int kConsumerWarpgroups = kBlockN / 64;
+  // The consumers split the columns of every product (P^T and dS^T through
+  // shared memory) rather than the keys (tile_sizes.h, Sm90BwdTile).
+  static constexpr bool kPdSShared = kTile.p_ds_shared;
+  static constexpr int kDqBuffers = kTile.dq_buffers;
+  // Two consumers: the register budget below assumes them.
+  static constexpr int kConsumerWarpgroups = 2;
+  static_assert(kBlockN == (kPdSShared ? 64 : 64 * kConsumerWarpgroups),
+                "64 keys per consumer, or 64 shared by both");
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kNThreads = 128 + kConsumerThreads;
   // setmaxnreg: 24 * 128 + 240 * 256 <= 64K registers of the SM.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
-  static_assert(kConsumerWarpgroups == 2, "the register budget assumes two consumers");
   static_assert(2 * kBlockM <= kConsumerThreads, "a consumer thread per row loads lse or delta");
 
-  // Consumer warpgroups along M (keys) for S^T, dP^T, dV, dK; along N (head
-  // dim) for dQ.
+  // Consumer warpgroups along M (keys) or N (query or head-dim columns).
   using AlongM = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
   using AlongN = Layout<Shape<_1, Int<kConsumerWarpgroups>, _1>>;
+  // How the consumers share S^T, dP^T, dV and dK: by keys, or by columns.
+  using ConsumerSplit = std::conditional_t<kPdSShared, AlongN, AlongM>;
+  // Each consumer's share of N in the S^T, dP^T and the dV, dK products.
+  static constexpr int kSdPCols = kPdSShared ? kBlockM / kConsumerWarpgroups : kBlockM;
+  static constexpr int kdKVCols = kPdSShared ? kHeadDim / kConsumerWarpgroups : kHeadDim;
   // S^T = K Q^T, dP^T = V dO^T: M = block_n, N = block_m, K = head_dim; both K-major.
   using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
-      AlongM{}));
-  // dV += P^T dO, dK += dS^T Q: M = block_n, N = head_dim, K = block_m; A from
-  // registers, B (dO, Q as head_dim x block_m) MN-major: head_dim is contiguous.
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kSdPCols>, Int<kHeadDim>>>(),
+      ConsumerSplit{}));
+  // dV += P^T dO, dK += dS^T Q: M = block_n, N = head_dim, K = block_m; B (dO,
+  // Q as head_dim x block_m) MN-major: head_dim is contiguous. A from
+  // registers, or with kPdSShared from the P^T and dS^T buffers (K-major: the
+  // query rows are contiguous there).
+  using dKVAtomShape = Shape<_64, Int<kdKVCols>, Int<kBlockM>>;
   using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
-      AlongM{}));
+      std::conditional_t<
+          kPdSShared,
+          decltype(GMMA::ss_op_selector<Element, Element, float, dKVAtomShape, GMMA::Major::K,
+                                        GMMA::Major::MN>()),
+          decltype(GMMA::rs_op_selector<Element, Element, float, dKVAtomShape, GMMA::Major::K,
+                                        GMMA::Major::MN>())>{},
+      ConsumerSplit{}));
   // dQ = dS K: M = block_m, N = head_dim, K = block_n; dS stored with the
   // query rows contiguous and K read as head_dim x block_n: both MN-major.
   using TiledMmadQ = decltype(make_tiled_mma(
@@ -63,7 +81,8 @@ struct BwdTraitsSm90 {
                                              Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   // dS (block_m x block_n), query rows contiguous, as the stmatrix of dS^T
   // from its accumulator layout writes it; two buffers, so that one consumer
-  // may write the next step's dS while the other still reads this one.
+  // may write the next step's dS while the other still reads this one. P^T
+  // with kPdSShared alike.
   using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
                                               Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
   // Transposed views of the same memory (element (d, m) of Q^T is (m, d) of Q).
@@ -89,7 +108,7 @@ struct BwdTraitsSm90 {
   static constexpr int kDqCols = kHeadDim / kConsumerWarpgroups;
   using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{},
                                               Shape<Int<kBlockM>, Int<kDqCols>,
-                                                    Int<kConsumerWarpgroups>, _2>{}));
+                                                    Int<kConsumerWarpgroups>, Int<kDqBuffers>>{}));
 
   // Global views the TMA descriptors are built from, [seq, head_dim, heads, batch].
   using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -116,6 +135,17 @@ struct BwdTraitsSm90 {
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKBytes = kBlockN * kHeadDim * sizeof(Element);
 
+  // P^T's buffers: only with kPdSShared (an empty member otherwise, after the
+  // rest, so the other buffers keep their offsets).
+  struct alignas(1024) PBuffers {
+    cute::ArrayEngine<Element, cosize_v<SmemLayoutdS>> data;
+    CUTE_DEVICE Element* begin() { return data.begin(); }
+  };
+  struct NoPBuffers {
+    CUTE_DEVICE Element* begin() { return nullptr; }
+  };
+
+
   struct SharedStorage {
     // 1024-byte alignment: the period of the 128-byte swizzle.
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutK>> k;
@@ -133,8 +163,9 @@ struct BwdTraitsSm90 {
     uint64_t qdo_empty[kStages];
     // Per consumer and dQ staging buffer: staged (its four warps arrive) and
     // read out by the TMA (its writer arrives).
-    uint64_t dq_full[kConsumerWarpgroups][2];
-    uint64_t dq_empty[kConsumerWarpgroups][2];
+    uint64_t dq_full[kConsumerWarpgroups][kDqBuffers];
+    uint64_t dq_empty[kConsumerWarpgroups][kDqBuffers];
+    std::conditional_t<kPdSShared, PBuffers, NoPBuffers> p;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024);
