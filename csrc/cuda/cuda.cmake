@@ -57,8 +57,9 @@ elseif(JFLASH_CUDA_SUBSET STREQUAL "ci")
 else()
   string(REPLACE "," ";" _fragments "${JFLASH_CUDA_SUBSET}")
 endif()
-# Commas, not semicolons, in the define: a semicolon would split the compile line.
+# Commas, not semicolons, in the defines: a semicolon would split the compile line.
 string(REPLACE ";" "," _subset_define "${JFLASH_CUDA_SUBSET}")
+string(REPLACE ";" "," _archs_define "${JFLASH_CUDA_ARCHS}")
 set(_instantiations "")
 foreach(_file IN LISTS _all_instantiations)
   get_filename_component(_name "${_file}" NAME)
@@ -149,7 +150,8 @@ foreach(_target IN LISTS _cuda_targets)
                                                        "${JFLASH_CUTLASS_INCLUDE_DIR}")
   target_compile_definitions(${_target} PRIVATE
     JFLASH_BUILD_JAXLIB_VERSION="${JFLASH_BUILD_JAXLIB_VERSION}"
-    JFLASH_CUDA_SUBSET="${_subset_define}")
+    JFLASH_CUDA_SUBSET="${_subset_define}"
+    JFLASH_CUDA_ARCHS="${_archs_define}")
   set_target_properties(${_target} PROPERTIES
     CUDA_ARCHITECTURES OFF
     CUDA_STANDARD 17
