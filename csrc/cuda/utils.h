@@ -153,7 +153,9 @@ __device__ __forceinline__ void copy_rows(TiledCopy const& tiled_copy, TensorG c
 // visible (their ids are not read).
 template <int kRows, int kCols>
 struct SegmentVisibility {
-  static_assert(kRows * kCols <= 64);
+  // Bits is named by every kernel of a head dim (a dead variable where there
+  // are no ids), so the bound is asserted where the ids are compared: the
+  // tiles of head dims without segment kernels may hold more scores (32: 4 x 32).
   using Bits = std::conditional_t<(kRows * kCols <= 32), uint32_t, uint64_t>;
   Bits bits;
 
@@ -161,6 +163,7 @@ struct SegmentVisibility {
   template <typename Mask, typename CoordRowCol>
   __device__ __forceinline__ SegmentVisibility(const Mask& mask, const CoordRowCol& c_rc, int row0,
                                                int key0, int row_limit, int key_limit) {
+    static_assert(kRows * kCols <= 64, "a thread's scores of a tile must fit the bits");
     int32_t key_id[kCols];
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) {
