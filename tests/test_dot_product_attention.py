@@ -329,4 +329,5 @@ def test_segment_ids_drop_in(rng):
     got = jflash.dot_product_attention(q[1], k[1], v[1], is_causal=True, implementation="jflash",
                                        q_segment_ids=q_ids[1], kv_segment_ids=kv_ids[1])
     want = jax.nn.dot_product_attention(q[1], k[1], v[1], is_causal=True, mask=mask[1])
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    atol = 2e-5 if plain_dtype(jnp.float32) == jnp.float32 else 3e-2
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=atol, rtol=atol)

@@ -305,12 +305,19 @@ def test_packed_documents_equal_separate_documents(rng):
             lambda q, k, v: jflash.flash_attention(q, k, v, causal=True, return_lse=True),
             q[:, part], k[:, part], v[:, part])
         g = vjp_part((dout[:, part], jnp.zeros(l.shape)))
-        tol = dict(rtol=2e-5, atol=2e-6)
-        np.testing.assert_allclose(out[:, part], o, **tol)
-        np.testing.assert_allclose(lse[:, :, part], l, **tol)
-        for a, b in zip(grads, g):
-            np.testing.assert_allclose(a[:, part], b, **tol)
+        for a, b in ((out[:, part], o), (lse[:, :, part], l),
+                     *((x[:, part], y) for x, y in zip(grads, g))):
+            np.testing.assert_allclose(a, b, **_same_call_tolerance(b))
         start += n
+
+
+def _same_call_tolerance(want):
+    """Two kernel calls of the same math whose tiles differ: float32 round-off on
+    CPU; on GPU, where float32 runs the bfloat16 kernels (README), a few bfloat16
+    roundings of the largest magnitude."""
+    if plain_dtype(jnp.float32) == jnp.float32:
+        return dict(rtol=2e-5, atol=2e-6)
+    return dict(rtol=0, atol=2.0**-6 * max(1.0, float(np.max(np.abs(np.asarray(want))))))
 
 
 def test_segment_summaries_match_brute_force(rng):
