@@ -126,8 +126,10 @@ def _id_hulls(ids, other_ids):
     def hulls(row, other):
         order = jnp.argsort(other, stable=True)  # positions ascending within an id
         sorted_ids = other[order]
-        lo = jnp.searchsorted(sorted_ids, row, side="left")
-        hi = jnp.searchsorted(sorted_ids, row, side="right")
+        # Unrolled: XLA fuses the log2(T) steps into one kernel on GPU, where the
+        # default method's loop launches a kernel or more per step.
+        lo = jnp.searchsorted(sorted_ids, row, side="left", method="scan_unrolled")
+        hi = jnp.searchsorted(sorted_ids, row, side="right", method="scan_unrolled")
         found = hi > lo
         first = jnp.where(found, order[jnp.minimum(lo, t - 1)], t)
         end = jnp.where(found, order[jnp.maximum(hi - 1, 0)] + 1, 0)
