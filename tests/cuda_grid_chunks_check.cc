@@ -48,7 +48,9 @@ BwdParams make_params(int batch, int heads, int heads_kv, int seq_q, int seq_k, 
   p.dq_semaphore = deterministic ? static_cast<int*>(base(13)) : nullptr;
   p.mask.segments = {static_cast<const int32_t*>(base(14)), static_cast<const int32_t*>(base(15)),
                      static_cast<const SegmentBlock*>(base(16)),
-                     static_cast<const SegmentBlock*>(base(17)), seq_q, seq_k};
+                     static_cast<const SegmentBlock*>(base(17)),
+                     static_cast<const int32_t*>(base(18)), static_cast<const int32_t*>(base(19)),
+                     seq_q, seq_k};
   dense(seq_q, heads, head_dim, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
   dense(seq_k, heads_kv, head_dim, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
   dense(seq_k, heads_kv, head_dim, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
@@ -72,6 +74,8 @@ void check_segments(const SegmentParams& chunk, const SegmentParams& call, int64
         call.q_blocks + b * segment_blocks(call.seqlen_q));
   CHECK(chunk.kv_blocks + bl * segment_blocks(chunk.seqlen_k) ==
         call.kv_blocks + b * segment_blocks(call.seqlen_k));
+  CHECK(chunk.q_ranges + bl * chunk.seqlen_q * 2 == call.q_ranges + b * call.seqlen_q * 2);
+  CHECK(chunk.kv_ranges + bl * chunk.seqlen_k * 2 == call.kv_ranges + b * call.seqlen_k * 2);
 }
 
 // Every (batch, head) of the forward and every (batch, kv head) of the

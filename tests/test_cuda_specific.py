@@ -132,10 +132,10 @@ def test_against_reference(rng, case, dtype):
 
 # Segment ids (packed documents) on the CUDA kernels: SegmentMask's instantiations
 # (head dims 64, 128, 256; other head dims pad up to them). On Hopper the
-# forward runs the Hopper kernel (192-row tiles at head dim 64 past 1024 rows,
-# 128 below), the backward the Hopper one at head dims 64 and 128 and the sm80
-# one at 256; test_segments_on_sm80_kernels runs the same cases on the sm80
-# kernels, test_small_smem_tiles its own on the 99 KB tiles.
+# forward and backward run the Hopper kernels (the forward's 192-row tiles at
+# head dim 64 past 1024 rows, 128 below); test_segments_on_sm80_kernels runs
+# the same cases on the sm80 kernels, test_small_smem_tiles its own on the
+# 99 KB tiles.
 # (batch, seq_q, seq_k, heads, heads_kv, head_dim, causal, window_size, kind;
 # tests/segments.py describes the kinds of ids.)
 SEGMENT_CASES = [
@@ -177,9 +177,7 @@ def test_segments_against_reference(rng, case, dtype):
     if os.environ.get("JFLASH_CUDA_FORWARD") == "sm80":
         _assert_segment_kernels(padded, 80, 80)
     elif _is_hopper():
-        # The Hopper kernels have no segment instantiations yet: on Hopper the
-        # segment calls run the sm80 kernels.
-        _assert_segment_kernels(padded, 80, 80)
+        _assert_segment_kernels(padded, 90, 90)
     _kernel_call(lambda: check_segments(rng, case, dtype, _segments_call()))
 
 
@@ -191,8 +189,8 @@ def test_segments_on_sm80_kernels():
 
 
 # Deterministic mode with segment ids orders dQ by the band's key blocks (the
-# tiles of other documents in them computed fully masked): the Hopper backward
-# (64, 128) and the sm80 one (256).
+# tiles of other documents in them computed fully masked), on the Hopper
+# backward at head dims 64, 128 and 256.
 SEGMENT_DETERMINISTIC_CASES = [
     (1, 1500, 1500, 8, 2, 128, True, None, "packed"),
     (1, 1000, 1200, 4, 4, 64, False, None, "long"),

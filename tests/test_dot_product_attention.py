@@ -183,10 +183,19 @@ def test_default_runs_jflash_and_fallbacks_run_jax(rng):
     cases = {
         "bias": dict(bias=bias),
         "mask": dict(mask=mask),
-        "query_seq_lengths": dict(query_seq_lengths=lengths),
-        "key_value_seq_lengths": dict(key_value_seq_lengths=lengths),
+        # Lengths that are not [B] int32 arrays: jax's function (and its checks).
+        "query_seq_lengths": dict(query_seq_lengths=lengths.astype(jnp.int16)),
+        "key_value_seq_lengths": dict(key_value_seq_lengths=lengths[:1]),
     }
     for name, kw in cases.items():
+        if name.endswith("lengths"):  # jax's own error
+            with pytest.raises((ValueError, TypeError)):
+                jax.nn.dot_product_attention(q, k, v, **kw)
+            with pytest.raises((ValueError, TypeError)):
+                jflash.dot_product_attention(q, k, v, **kw)
+            with pytest.raises(ValueError, match=name):
+                jflash.dot_product_attention(q, k, v, implementation="jflash", **kw)
+            continue
         ours = jflash.dot_product_attention(q, k, v, **kw)
         np.testing.assert_array_equal(ours, jax.nn.dot_product_attention(q, k, v, **kw))
         assert "jflash_fwd" not in _lowered_text(
@@ -223,3 +232,102 @@ def test_unsupported_inputs(rng):
     # jax's own checks still apply on the fallback path.
     with pytest.raises(ValueError):
         jflash.dot_product_attention(q, k.astype(jnp.bfloat16), v)
+
+
+def _drop_in_outputs(fn, q, k, v, dout):
+    """out, the residual and (dq, dk, dv) of sum(out * dout), jitted."""
+    def loss(q, k, v):
+        out, res = fn(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), (out, res)
+
+    (_, (out, res)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2),
+                                                        has_aux=True))(q, k, v)
+    return out, res, grads
+
+
+def _assert_matches_jax(ours, theirs, dtype):
+    """Outputs, residuals (exact where jax's is its masked logit) and gradients."""
+    atol = 2e-5 if plain_dtype(dtype) == jnp.float32 else 3e-2
+    out, res, grads = ours
+    want_out, want_res, want_grads = theirs
+    for a, b in zip((out, *grads), (want_out, *want_grads)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   atol=atol, rtol=atol)
+    res, want_res = np.asarray(res, np.float32), np.asarray(want_res, np.float32)
+    masked = ~(np.abs(want_res) < 1e30)
+    # jax's masked logit, rounded to the residual's dtype (jax's own in dtype).
+    logit = jnp.asarray(-0.7 * np.finfo(np.float32).max, jnp.float32).astype(dtype)
+    np.testing.assert_array_equal(res[masked], np.asarray(logit, np.float32))
+    np.testing.assert_allclose(res[~masked], want_res[~masked], atol=atol, rtol=atol)
+    return masked
+
+
+@pytest.mark.parametrize("dtype,is_causal", [(jnp.float32, False), (jnp.bfloat16, True)],
+                         ids=["float32-full", "bfloat16-causal"])
+def test_seq_lengths_run_on_the_kernels(rng, dtype, is_causal):
+    """query_seq_lengths and key_value_seq_lengths on the kernels (as segment ids):
+    jax's answer for every row: padded query rows 0 (no gradient), rows whose keys
+    are all padded (batch entry 1) the mean of the values, its residuals."""
+    q, k, v, dout = _inputs(rng, dict(dtype=dtype, rank=4, batch=3, seq_q=24, seq_k=17,
+                                      num_heads=4, num_heads_kv=2, head_dim=32))
+    kw = dict(is_causal=is_causal, return_residual=True,
+              query_seq_lengths=jnp.asarray([24, 9, 1], jnp.int32),
+              key_value_seq_lengths=jnp.asarray([17, 0, 5], jnp.int32))
+    assert "jflash_fwd" in _lowered_text(
+        lambda q, k, v: jflash.dot_product_attention(q, k, v, **kw)[0], q, k, v)
+    ours = _drop_in_outputs(
+        lambda q, k, v: jflash.dot_product_attention(q, k, v, implementation="jflash", **kw),
+        q, k, v, dout)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
+    with jax.default_matmul_precision("highest"):
+        theirs = _drop_in_outputs(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **kw),
+                                  *f32)
+    masked = _assert_matches_jax(ours, theirs, dtype)
+    assert not masked[0].any() and masked[1].all() and masked[2, 1:].all()
+    assert np.all(np.asarray(ours[0], np.float32)[1, 9:] == 0)
+
+
+def test_segment_ids_drop_in(rng):
+    """q_segment_ids / kv_segment_ids: the kernels give jax.nn's answer with the
+    ids' mask (rows of an id that no key has: the mean of the values); on jax's
+    own path (implementation="xla") they are that mask; with sequence lengths too;
+    rank-3 inputs take [T] and [S] ids."""
+    q, k, v, dout = _inputs(rng, dict(dtype=jnp.float32, rank=4, batch=2, seq_q=20, seq_k=30,
+                                      num_heads=2, num_heads_kv=1, head_dim=16))
+    q_ids = jnp.asarray(rng.integers(0, 3, (2, 20)), jnp.int32)
+    kv_ids = jnp.asarray(rng.integers(1, 4, (2, 30)), jnp.int32)  # id 0: rows with no key
+    mask = (q_ids[..., :, None] == kv_ids[..., None, :])[..., None, :, :]
+    kw = dict(is_causal=True, return_residual=True)
+
+    def ours(implementation):
+        return _drop_in_outputs(
+            lambda q, k, v: jflash.dot_product_attention(
+                q, k, v, implementation=implementation, q_segment_ids=q_ids,
+                kv_segment_ids=kv_ids, **kw), q, k, v, dout)
+
+    def theirs():
+        with jax.default_matmul_precision("highest"):
+            return _drop_in_outputs(
+                lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, **kw),
+                q, k, v, dout)
+
+    masked = _assert_matches_jax(ours("jflash"), theirs(), jnp.float32)
+    assert masked.any()
+    xla = jflash.dot_product_attention(q, k, v, implementation="xla", q_segment_ids=q_ids,
+                                       kv_segment_ids=kv_ids, **kw)
+    for a, b in zip(xla, jax.nn.dot_product_attention(q, k, v, mask=mask, **kw)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    lengths = dict(query_seq_lengths=jnp.asarray([20, 7], jnp.int32),
+                   key_value_seq_lengths=jnp.asarray([11, 30], jnp.int32))
+    got = jflash.dot_product_attention(q, k, v, implementation="jflash", q_segment_ids=q_ids,
+                                       kv_segment_ids=kv_ids, **kw, **lengths)
+    want = jax.nn.dot_product_attention(q, k, v, mask=mask, **kw, **lengths)
+    zeros = [jnp.zeros(x.shape) for x in (q, k, v)]
+    _assert_matches_jax((got[0], got[1], zeros), (want[0], want[1], zeros), jnp.float32)
+    with pytest.raises(ValueError, match="q_segment_ids is given but kv_segment_ids is None"):
+        jflash.dot_product_attention(q, k, v, q_segment_ids=q_ids)
+    got = jflash.dot_product_attention(q[1], k[1], v[1], is_causal=True, implementation="jflash",
+                                       q_segment_ids=q_ids[1], kv_segment_ids=kv_ids[1])
+    want = jax.nn.dot_product_attention(q[1], k[1], v[1], is_causal=True, mask=mask[1])
+    atol = 2e-5 if plain_dtype(jnp.float32) == jnp.float32 else 3e-2
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=atol, rtol=atol)

@@ -28,6 +28,8 @@ for step in $STEPS; do
         JFLASH_CUDA_SUBSET="$JFLASH_CUDA_SUBSET" \
         python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 \
         || { tail -40 "$OUT/build.log"; exit 1; }
+      # ninja's log: start and end (ms) of every unit, where the build's time went.
+      cp build/*/.ninja_log "$OUT/ninja_log.txt" 2>/dev/null
       python3 -P -c "import jflash; print('HAS_CUDA_KERNELS', jflash.HAS_CUDA_KERNELS)" ;;
     smoke)  # a hang or a wrong result stops the call here
       timeout 120 python3 -P tools/smoke.py 2>&1 | tee "$OUT/smoke.log"

@@ -4,9 +4,11 @@
 # JFLASH_CUDA_ARCHS   semicolon list of GPU targets, SASS embedded for each:
 #                     "80" (sm80; also runs on sm86/sm89) and "90a" (Hopper).
 # JFLASH_CUDA_SUBSET  which kernel instantiations (csrc/cuda/instantiations/) to compile:
-#                     all  every (direction, dtype, head dim, mask): 64 files, 32
-#                          of the 99 KB tile column (flash_*_small_*), and 12 of
-#                          the Hopper forward when 90a is a target;
+#                     all  every (direction, dtype, head dim, mask): 76 files, 38
+#                          of the 99 KB tile column (flash_*_small_*), and, when
+#                          90a is a target, 18 of the Hopper forward and 18 of the
+#                          Hopper backward: 150 in all, the segment-id kernels
+#                          (flash_*_segments) of head dims 64, 128, 256 included;
 #                     ci   bfloat16, head dim 128, the full and band masks, both directions:
 #                          4 files, the 2 of the 99 KB backward, the 4 Hopper files (no
 #                          segment-id kernels: "segments" selects those);
@@ -14,6 +16,14 @@
 #                     instantiation is compiled when its file name contains one
 #                     (e.g. "bf16_hdim64,fp16_hdim128_full").
 # A head dim or dtype left out gives an ffi::Error that names JFLASH_CUDA_SUBSET.
+#
+# Build time (docs/cuda_kernels.md, "Build time"): nvcc's time goes to cicc's
+# template work, which the instantiations of one head dim share, so the chosen
+# files are compiled as one translation unit per (direction, head dim, family):
+# 22 for "all" instead of 150, a quarter of the CPU time, the same SASS.
+# Every sm80 kernel, the 99 KB column included, keeps its sm_90a SASS: Hopper
+# runs sm80 kernels for the head dims and calls the Hopper kernels leave, under
+# JFLASH_CUDA_FORWARD/BACKWARD=sm80, and (JFLASH_CUDA_SMEM_LIMIT) the 99 KB column.
 
 set(JFLASH_CUDA_ARCHS "80;90a" CACHE STRING "GPU architectures to embed SASS for")
 set(JFLASH_CUDA_SUBSET "all" CACHE STRING "Kernel instantiations to compile: all, ci, or name fragments")
@@ -47,8 +57,9 @@ elseif(JFLASH_CUDA_SUBSET STREQUAL "ci")
 else()
   string(REPLACE "," ";" _fragments "${JFLASH_CUDA_SUBSET}")
 endif()
-# Commas, not semicolons, in the define: a semicolon would split the compile line.
+# Commas, not semicolons, in the defines: a semicolon would split the compile line.
 string(REPLACE ";" "," _subset_define "${JFLASH_CUDA_SUBSET}")
+string(REPLACE ";" "," _archs_define "${JFLASH_CUDA_ARCHS}")
 set(_instantiations "")
 foreach(_file IN LISTS _all_instantiations)
   get_filename_component(_name "${_file}" NAME)
@@ -61,30 +72,74 @@ foreach(_file IN LISTS _all_instantiations)
   endforeach()
 endforeach()
 # The Hopper kernels (flash_fwd_sm90_*, flash_bwd_sm90_*) exist only as sm_90a
-# code: compiled in their own object library for 90a alone, and left out when
-# 90a is not a target (the handlers then run the sm80 kernels on Hopper too).
-set(_sm90_instantiations "${_instantiations}")
-list(FILTER _sm90_instantiations INCLUDE REGEX "flash_(fwd|bwd)_sm90_")
-list(FILTER _instantiations EXCLUDE REGEX "flash_(fwd|bwd)_sm90_")
+# code: left out when 90a is not a target (the handlers then run the sm80
+# kernels on Hopper too), else compiled in their own object library for 90a
+# alone (below).
 if(NOT "90a" IN_LIST JFLASH_CUDA_ARCHS)
-  set(_sm90_instantiations "")
+  list(FILTER _instantiations EXCLUDE REGEX "/flash_(fwd|bwd)_sm90_[^/]*$")
 endif()
-list(LENGTH _instantiations _count_sm80)
-list(LENGTH _sm90_instantiations _count_sm90)
-math(EXPR _count "${_count_sm80} + ${_count_sm90}")
+list(LENGTH _instantiations _count)
 if(_count EQUAL 0)
   message(FATAL_ERROR "jflash: JFLASH_CUDA_SUBSET='${JFLASH_CUDA_SUBSET}' selects no kernel instantiation")
 endif()
-message(STATUS "jflash: compiling ${_count} CUDA kernel instantiations (JFLASH_CUDA_SUBSET=${JFLASH_CUDA_SUBSET}) for archs ${JFLASH_CUDA_ARCHS}")
+
+# One translation unit per (direction, head dim, family): a generated .cu that
+# #includes the chosen instantiation files of the group. Its instantiations
+# (both dtypes, both masks, and the sm80 kernels' 99 KB tile column) share most
+# of nvcc's work: the four of the sm80 backward at head dim 128 cost 1.2x the
+# CPU time of one (docs/cuda_kernels.md, "Build time"). Same templates, same
+# flags: the SASS of every kernel stays the same.
+set(_group_dir "${CMAKE_CURRENT_BINARY_DIR}/jflash_kernels")
+set(_groups "")
+foreach(_file IN LISTS _instantiations)
+  get_filename_component(_name "${_file}" NAME)
+  if(NOT _name MATCHES "^flash_(fwd|bwd)(_small|_sm90)?_(fp16|bf16)_hdim([0-9]+)_(full|band|segments)\\.cu$")
+    message(FATAL_ERROR "jflash: ${_name} is not named like csrc/cuda/generate_kernels.py's files")
+  endif()
+  # The 99 KB column joins its direction's sm80 group; the Hopper kernels stay
+  # apart, for their own arch.
+  if(CMAKE_MATCH_2 STREQUAL "_sm90")
+    set(_group "flash_${CMAKE_MATCH_1}_sm90_hdim${CMAKE_MATCH_4}")
+  else()
+    set(_group "flash_${CMAKE_MATCH_1}_hdim${CMAKE_MATCH_4}")
+  endif()
+  if(NOT _group IN_LIST _groups)
+    list(APPEND _groups "${_group}")
+    set(_includes_${_group} "")
+  endif()
+  string(APPEND _includes_${_group} "#include \"cuda/instantiations/${_name}\"\n")
+endforeach()
+set(_sm80_sources "")
+set(_sm90_sources "")
+file(GLOB _stale_groups "${_group_dir}/*.cu")
+foreach(_group IN LISTS _groups)
+  set(_source "${_group_dir}/${_group}.cu")
+  list(REMOVE_ITEM _stale_groups "${_source}")
+  # CONFIGURE writes the file only when its text changes, so that a
+  # reconfigure does not recompile every group.
+  file(CONFIGURE OUTPUT "${_source}" @ONLY
+       CONTENT "// Generated by csrc/cuda/cuda.cmake: ${_group} in this build.\n${_includes_${_group}}")
+  if(_group MATCHES "_sm90_")
+    list(APPEND _sm90_sources "${_source}")
+  else()
+    list(APPEND _sm80_sources "${_source}")
+  endif()
+endforeach()
+if(_stale_groups)
+  file(REMOVE ${_stale_groups})
+endif()
+list(LENGTH _groups _count_groups)
+message(STATUS "jflash: compiling ${_count} CUDA kernel instantiations in ${_count_groups} files "
+               "(JFLASH_CUDA_SUBSET=${JFLASH_CUDA_SUBSET}) for archs ${JFLASH_CUDA_ARCHS}")
 
 add_library(jflash_cuda SHARED
   csrc/ffi/cuda_handlers.cu
   csrc/ffi/version.cc
   csrc/cuda/registry.cu
-  ${_instantiations})
+  ${_sm80_sources})
 set(_cuda_targets jflash_cuda)
-if(_sm90_instantiations)
-  add_library(jflash_cuda_sm90 OBJECT ${_sm90_instantiations})
+if(_sm90_sources)
+  add_library(jflash_cuda_sm90 OBJECT ${_sm90_sources})
   target_sources(jflash_cuda PRIVATE $<TARGET_OBJECTS:jflash_cuda_sm90>)
   list(APPEND _cuda_targets jflash_cuda_sm90)
 endif()
@@ -95,7 +150,8 @@ foreach(_target IN LISTS _cuda_targets)
                                                        "${JFLASH_CUTLASS_INCLUDE_DIR}")
   target_compile_definitions(${_target} PRIVATE
     JFLASH_BUILD_JAXLIB_VERSION="${JFLASH_BUILD_JAXLIB_VERSION}"
-    JFLASH_CUDA_SUBSET="${_subset_define}")
+    JFLASH_CUDA_SUBSET="${_subset_define}"
+    JFLASH_CUDA_ARCHS="${_archs_define}")
   set_target_properties(${_target} PROPERTIES
     CUDA_ARCHITECTURES OFF
     CUDA_STANDARD 17
@@ -113,6 +169,7 @@ foreach(_arch IN LISTS JFLASH_CUDA_ARCHS)
 endforeach()
 # PTX of the sm80 kernels too: GPUs newer than every embedded SASS target (e.g.
 # Blackwell) compile it at load time instead of failing with "no kernel image".
+# nvcc takes it from the cicc pass that feeds the sm_80 SASS: no compile time.
 if("80" IN_LIST JFLASH_CUDA_ARCHS)
   list(APPEND _gencode "-gencode=arch=compute_80,code=compute_80")
 endif()
@@ -124,7 +181,7 @@ set_target_properties(jflash_cuda PROPERTIES
 target_compile_options(jflash_cuda PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:${_gencode} -O3 --expt-relaxed-constexpr -lineinfo>
   $<$<COMPILE_LANGUAGE:CXX>:-O3 -Wall -Wextra>)
-if(_sm90_instantiations)
+if(_sm90_sources)
   target_compile_options(jflash_cuda_sm90 PRIVATE
     -gencode=arch=compute_90a,code=sm_90a -O3 --expt-relaxed-constexpr -lineinfo)
 endif()

@@ -1,9 +1,11 @@
 """Writes one small .cu file per kernel instantiation into csrc/cuda/instantiations/.
 
-One file per (direction, dtype, head dim, mask) keeps each nvcc invocation
-small, lets the build run them in parallel, and lets JFLASH_CUDA_SUBSET
-(csrc/cuda/cuda.cmake) compile only some of them. The files are committed;
-rerun this script after changing the set below:
+One file per (direction, dtype, head dim, mask) lets JFLASH_CUDA_SUBSET
+(csrc/cuda/cuda.cmake) compile only some of them; cuda.cmake then compiles the
+chosen files of one (direction, head dim) as one translation unit (the
+instantiations share most of nvcc's work: docs/cuda_kernels.md, "Build
+time"). The files are committed; rerun this script after changing the set
+below:
 
     python3 csrc/cuda/generate_kernels.py
 """
@@ -40,21 +42,21 @@ DTYPES = {
 # the directions in SEGMENT_DIRECTIONS.
 MASKS = {"full": ("NoMask", "kNone"), "band": ("BandMask", "kBand"),
          "segments": ("SegmentMask", "kSegments")}
-SEGMENT_DIRECTIONS = ("fwd", "bwd", "fwd_small", "bwd_small")
+SEGMENT_DIRECTIONS = ("fwd", "bwd", "fwd_small", "bwd_small", "fwd_sm90", "bwd_sm90")
 # direction: (header, registration expression, head dims)
 DIRECTIONS = {
     "fwd": (
         "cuda/flash_fwd_kernel_sm80.h",
         "register_fwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
-        "    FwdKernel{{&run_flash_fwd<Element, {head_dim}, {mask_policy}>,\n"
-        "              FwdTraitsSm80<Element, {head_dim}>::kSmemBytes}})",
+        "    FwdKernel{{&run_flash_fwd<{element}, {head_dim}, {mask_policy}>,\n"
+        "              FwdTraitsSm80<{element}, {head_dim}>::kSmemBytes}})",
         HEAD_DIMS,
     ),
     "bwd": (
         "cuda/flash_bwd_kernel_sm80.h",
         "register_bwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
-        "    BwdKernel{{&run_flash_bwd<Element, {head_dim}, {mask_policy}>,\n"
-        "              BwdTraitsSm80<Element, {head_dim}>::kSmemBytes}})",
+        "    BwdKernel{{&run_flash_bwd<{element}, {head_dim}, {mask_policy}>,\n"
+        "              BwdTraitsSm80<{element}, {head_dim}>::kSmemBytes}})",
         HEAD_DIMS,
     ),
     # The sm80 kernels' small-shared-memory column (tile_sizes.h, SmemClass::
@@ -64,8 +66,8 @@ DIRECTIONS = {
     "fwd_small": (
         "cuda/flash_fwd_kernel_sm80.h",
         "register_fwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
-        "    FwdKernel{{&run_flash_fwd<Element, {head_dim}, {mask_policy}, SmemClass::kSmall>,\n"
-        "              FwdTraitsSm80<Element, {head_dim}, SmemClass::kSmall>::kSmemBytes}},\n"
+        "    FwdKernel{{&run_flash_fwd<{element}, {head_dim}, {mask_policy}, SmemClass::kSmall>,\n"
+        "              FwdTraitsSm80<{element}, {head_dim}, SmemClass::kSmall>::kSmemBytes}},\n"
         "    SmemClass::kSmall);\n"
         "static_assert(has_small_fwd_tile({head_dim}))",
         (224, 256),
@@ -73,8 +75,8 @@ DIRECTIONS = {
     "bwd_small": (
         "cuda/flash_bwd_kernel_sm80.h",
         "register_bwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
-        "    BwdKernel{{&run_flash_bwd<Element, {head_dim}, {mask_policy}, SmemClass::kSmall>,\n"
-        "              BwdTraitsSm80<Element, {head_dim}, SmemClass::kSmall>::kSmemBytes}},\n"
+        "    BwdKernel{{&run_flash_bwd<{element}, {head_dim}, {mask_policy}, SmemClass::kSmall>,\n"
+        "              BwdTraitsSm80<{element}, {head_dim}, SmemClass::kSmall>::kSmemBytes}},\n"
         "    SmemClass::kSmall);\n"
         "static_assert(has_small_bwd_tile({head_dim}))",
         (96, 128, 160, 192, 224, 256),
@@ -84,8 +86,8 @@ DIRECTIONS = {
     "fwd_sm90": (
         "cuda/sm90/flash_fwd_kernel_sm90.h",
         "register_sm90_fwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
-        "    FwdKernel{{&sm90::run_flash_fwd_sm90<Element, {head_dim}, {mask_policy}>,\n"
-        "              sm90::FwdTraitsSm90<Element, {head_dim}>::kSmemBytes, &tma_compatible}})",
+        "    FwdKernel{{&sm90::run_flash_fwd_sm90<{element}, {head_dim}, {mask_policy}>,\n"
+        "              sm90::FwdTraitsSm90<{element}, {head_dim}>::kSmemBytes, &tma_compatible}})",
         (64, 128, 256),
     ),
     # The Hopper backward (sm90a only, like the Hopper forward); other head dims
@@ -93,21 +95,23 @@ DIRECTIONS = {
     "bwd_sm90": (
         "cuda/sm90/flash_bwd_kernel_sm90.h",
         "register_sm90_bwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
-        "    BwdKernel{{&sm90::run_flash_bwd_sm90<Element, {head_dim}, {mask_policy}>,\n"
-        "              sm90::BwdTraitsSm90<Element, {head_dim}>::kSmemBytes,\n"
+        "    BwdKernel{{&sm90::run_flash_bwd_sm90<{element}, {head_dim}, {mask_policy}>,\n"
+        "              sm90::BwdTraitsSm90<{element}, {head_dim}>::kSmemBytes,\n"
         "              &sm90::tma_compatible_bwd}})",
         (64, 128, 256),
     ),
 }
 
+# Every name a file declares is its own (no shared alias, a registration
+# variable named after the file), so that cuda.cmake can compile several of
+# these files as one translation unit.
 TEMPLATE = """\
 // Generated by csrc/cuda/generate_kernels.py; do not edit.
 #include "{header}"
 
 namespace jflash::cuda {{
 namespace {{
-using Element = {element};
-[[maybe_unused]] const bool kRegistered = {registration};
+[[maybe_unused]] const bool kRegistered_{name} = {registration};
 }}  // namespace
 }}  // namespace jflash::cuda
 """
@@ -128,14 +132,15 @@ def main() -> None:
                     if mask == "segments" and (direction not in SEGMENT_DIRECTIONS
                                                or head_dim not in SEGMENT_HEAD_DIMS):
                         continue
-                    name = instantiation_name(direction, dtype, head_dim, mask) + ".cu"
+                    stem = instantiation_name(direction, dtype, head_dim, mask)
+                    name = stem + ".cu"
                     wanted.add(name)
                     text = TEMPLATE.format(
                         header=header,
-                        element=element,
+                        name=stem.removeprefix("flash_"),
                         registration=registration.format(
-                            dtype_enum=dtype_enum, head_dim=head_dim, mask_policy=mask_policy,
-                            mask_kind=mask_kind),
+                            element=element, dtype_enum=dtype_enum, head_dim=head_dim,
+                            mask_policy=mask_policy, mask_kind=mask_kind),
                     )
                     path = out_dir / name
                     if not path.exists() or path.read_text() != text:

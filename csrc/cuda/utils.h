@@ -147,12 +147,11 @@ __device__ __forceinline__ void copy_rows(TiledCopy const& tiled_copy, TensorG c
 // (Mask::kHasSegments), as bits (bit r * kCols + c of the (rows, cols) view):
 // the rows' and keys' ids are loaded once and compared here, before the
 // products, so that the ids are dead by the time the accumulators of the tile
-// are live and only these bits stay. c_rc: the (row, col) coordinates of the
-// thread's scores in the tile, whose rows start at row0 and keys at key0
-// (kKeysAlongRows: the transposed tile S^T, keys along its rows). Rows at or
-// past row_limit and keys at or past key_limit are not visible (their ids are
-// not read).
-template <int kRows, int kCols, bool kKeysAlongRows = false>
+// are live and only these bits stay (the sm80 kernels). c_rc: the (row, col)
+// coordinates of the thread's scores in the tile, whose rows start at row0 and
+// keys at key0. Rows at or past row_limit and keys at or past key_limit are not
+// visible (their ids are not read).
+template <int kRows, int kCols>
 struct SegmentVisibility {
   // Bits is named by every kernel of a head dim (a dead variable where there
   // are no ids), so the bound is asserted where the ids are compared: the
@@ -165,27 +164,21 @@ struct SegmentVisibility {
   __device__ __forceinline__ SegmentVisibility(const Mask& mask, const CoordRowCol& c_rc, int row0,
                                                int key0, int row_limit, int key_limit) {
     static_assert(kRows * kCols <= 64, "a thread's scores of a tile must fit the bits");
-    int32_t col_id[kCols];
+    int32_t key_id[kCols];
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) {
-      const int j = (kKeysAlongRows ? row0 : key0) + get<1>(c_rc(0, c));
-      const bool in = kKeysAlongRows ? j < row_limit : j < key_limit;
-      col_id[c] = !in ? 0 : (kKeysAlongRows ? mask.row_segment(j) : mask.key_segment(j));
+      const int key = key0 + get<1>(c_rc(0, c));
+      key_id[c] = key < key_limit ? mask.key_segment(key) : 0;
     }
     bits = 0;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const int i = (kKeysAlongRows ? key0 : row0) + get<0>(c_rc(r, 0));
-      const bool row_in = kKeysAlongRows ? i < key_limit : i < row_limit;
-      const int32_t row_id =
-          !row_in ? 0 : (kKeysAlongRows ? mask.key_segment(i) : mask.row_segment(i));
+      const int row = row0 + get<0>(c_rc(r, 0));
+      const int32_t row_id = row < row_limit ? mask.row_segment(row) : 0;
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) {
-        const int j = (kKeysAlongRows ? row0 : key0) + get<1>(c_rc(r, c));
-        const int row = kKeysAlongRows ? j : i;
-        const int key = kKeysAlongRows ? i : j;
-        const bool col_in = kKeysAlongRows ? j < row_limit : j < key_limit;
-        const bool visible = row_in && col_in && row_id == col_id[c] &&
+        const int key = key0 + get<1>(c_rc(r, c));
+        const bool visible = row < row_limit && key < key_limit && row_id == key_id[c] &&
                              mask.in_band(int64_t{row}, int64_t{key});
         bits |= Bits{visible} << (r * kCols + c);
       }

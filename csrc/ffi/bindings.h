@@ -23,6 +23,8 @@ auto BindFwd(Binding binding) {
       .template Arg<ffi::AnyBuffer>()            // kv_segment_ids [batch..., seqlen_k] int32, or empty
       .template Arg<ffi::AnyBuffer>()            // q_segment_blocks  [batch..., blocks, 4] int32, or empty
       .template Arg<ffi::AnyBuffer>()            // kv_segment_blocks [batch..., blocks, 4] int32, or empty
+      .template Arg<ffi::AnyBuffer>()            // q_segment_ranges  [batch..., seqlen_q, 2] int32, or empty
+      .template Arg<ffi::AnyBuffer>()            // kv_segment_ranges [batch..., seqlen_k, 2] int32, or empty
       .template Ret<ffi::AnyBuffer>()            // out  like q
       .template Ret<ffi::AnyBuffer>()            // lse  [batch..., num_heads, seqlen_q] float32
       .template Attr<float>("softmax_scale")
@@ -43,6 +45,8 @@ auto BindBwd(Binding binding) {
       .template Arg<ffi::AnyBuffer>()            // kv_segment_ids
       .template Arg<ffi::AnyBuffer>()            // q_segment_blocks
       .template Arg<ffi::AnyBuffer>()            // kv_segment_blocks
+      .template Arg<ffi::AnyBuffer>()            // q_segment_ranges
+      .template Arg<ffi::AnyBuffer>()            // kv_segment_ranges
       .template Ret<ffi::AnyBuffer>()            // dq
       .template Ret<ffi::AnyBuffer>()            // dk
       .template Ret<ffi::AnyBuffer>()            // dv

@@ -15,12 +15,13 @@ namespace {
 
 ffi::Error FwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer q_segment_ids,
                   ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_segment_blocks,
-                  ffi::AnyBuffer kv_segment_blocks, ffi::Result<ffi::AnyBuffer> out,
-                  ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, int64_t diag_lo,
-                  int64_t diag_hi) {
+                  ffi::AnyBuffer kv_segment_blocks, ffi::AnyBuffer q_segment_ranges,
+                  ffi::AnyBuffer kv_segment_ranges, ffi::Result<ffi::AnyBuffer> out,
+                  ffi::Result<ffi::AnyBuffer> lse,
+                  float softmax_scale, int64_t diag_lo, int64_t diag_hi) {
   FwdParams params;
-  const ffi_glue::SegmentBuffers segments{q_segment_ids, kv_segment_ids, q_segment_blocks,
-                                          kv_segment_blocks};
+  const ffi_glue::SegmentBuffers segments{q_segment_ids,    kv_segment_ids,   q_segment_blocks,
+                                          kv_segment_blocks, q_segment_ranges, kv_segment_ranges};
   if (auto err = ffi_glue::FillFwdParams(q, k, v, segments, *out, *lse, softmax_scale, diag_lo,
                                          diag_hi, &params);
       err.failure()) {
@@ -34,16 +35,19 @@ ffi::Error BwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
                   ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer dlse,
                   ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                   ffi::AnyBuffer q_segment_blocks, ffi::AnyBuffer kv_segment_blocks,
-                  ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                  ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_accum,
-                  ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_semaphore,
-                  ffi::Result<ffi::AnyBuffer> dkv_accum, float softmax_scale, int64_t diag_lo, int64_t diag_hi) {
+                  ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges,
+                  ffi::Result<ffi::AnyBuffer> dq,
+                  ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                  ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta,
+                  ffi::Result<ffi::AnyBuffer> dq_semaphore, ffi::Result<ffi::AnyBuffer> dkv_accum,
+                  float softmax_scale, int64_t diag_lo, int64_t diag_hi) {
   BwdParams params;
-  const ffi_glue::SegmentBuffers segments{q_segment_ids, kv_segment_ids, q_segment_blocks,
-                                          kv_segment_blocks};
-  if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, segments, *dq, *dk, *dv, *dq_accum,
-                                         *delta, *dq_semaphore, *dkv_accum, softmax_scale, diag_lo,
-                                         diag_hi, &params, /*uses_dq_accum=*/false);
+  const ffi_glue::SegmentBuffers segments{q_segment_ids,    kv_segment_ids,   q_segment_blocks,
+                                          kv_segment_blocks, q_segment_ranges, kv_segment_ranges};
+  if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, segments, *dq, *dk, *dv,
+                                         *dq_accum, *delta, *dq_semaphore, *dkv_accum,
+                                         softmax_scale, diag_lo, diag_hi, &params,
+                                         /*uses_dq_accum=*/false);
       err.failure()) {
     return err;
   }

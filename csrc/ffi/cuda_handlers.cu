@@ -31,6 +31,7 @@ struct DeviceInfo {
   int sm_count = 0;
   int max_smem_per_block = 0;  // opt-in limit for dynamic shared memory
   bool is_sm90 = false;        // compute capability 9.0: the Hopper kernels apply
+  int major = 0, minor = 0;    // compute capability, for error messages
 };
 
 constexpr int kMaxDevices = 64;
@@ -45,14 +46,13 @@ const DeviceInfo& device_info(int device) {
       info.error = cudaDeviceGetAttribute(&info.max_smem_per_block,
                                           cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     }
-    int major = 0, minor = 0;
     if (info.error == cudaSuccess) {
-      info.error = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+      info.error = cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device);
     }
     if (info.error == cudaSuccess) {
-      info.error = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+      info.error = cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, device);
     }
-    info.is_sm90 = major == 9 && minor == 0;
+    info.is_sm90 = info.major == 9 && info.minor == 0;
   });
   return infos[device];
 }
@@ -159,6 +159,23 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
                     std::string("jflash: ") + what + ": " + cudaGetErrorString(err));
 }
 
+// A kernel launch's error. Every kernel the handlers select is built for each
+// arch of JFLASH_CUDA_ARCHS (the Hopper ones for 90a, selected on compute
+// capability 9.0 only), so a GPU finds no code only where the build's arch
+// list leaves it out, and 80 with it (the sm80 kernels' PTX runs on every GPU
+// from sm80 on): say so, rather than CUDA's "no kernel image".
+ffi::Error LaunchError(cudaError_t err, const DeviceInfo& info, const char* direction) {
+  if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      std::string("jflash: this build has no CUDA ") + direction +
+                          " kernel code for this GPU (compute capability " +
+                          std::to_string(info.major) + "." + std::to_string(info.minor) +
+                          "): it was built with JFLASH_CUDA_ARCHS=" JFLASH_CUDA_ARCHS
+                          "; rebuild with 80 among them (" + cudaGetErrorString(err) + ")");
+  }
+  return CudaError(err, (std::string(direction) + " launch").c_str());
+}
+
 const char* DTypeName(DType dtype) { return dtype == DType::kFloat16 ? "float16" : "bfloat16"; }
 
 bool KernelHeadDim(DType dtype, int head_dim) {
@@ -255,11 +272,13 @@ ffi::ErrorOr<cuda::LaunchContext> Prepare(const FwdParams& params, cudaStream_t 
 ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                    ffi::AnyBuffer q_segment_blocks, ffi::AnyBuffer kv_segment_blocks,
-                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                   float softmax_scale, int64_t diag_lo, int64_t diag_hi) {
+                   ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges,
+                   ffi::Result<ffi::AnyBuffer> out,
+                   ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, int64_t diag_lo,
+                   int64_t diag_hi) {
   FwdParams params;
-  const ffi_glue::SegmentBuffers segments{q_segment_ids, kv_segment_ids, q_segment_blocks,
-                                          kv_segment_blocks};
+  const ffi_glue::SegmentBuffers segments{q_segment_ids,    kv_segment_ids,   q_segment_blocks,
+                                          kv_segment_blocks, q_segment_ranges, kv_segment_ranges};
   if (auto err = ffi_glue::FillFwdParams(q, k, v, segments, *out, *lse, softmax_scale, diag_lo,
                                          diag_hi, &params);
       err.failure()) {
@@ -279,7 +298,7 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                      "forward");
   if (ctx.has_error()) return ctx.error();
   if (cudaError_t err = kernel.launch(params, *ctx); err != cudaSuccess) {
-    return CudaError(err, "forward launch");
+    return LaunchError(err, **info, "forward");
   }
   return ffi::Error::Success();
 }
@@ -288,18 +307,20 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
                    ffi::AnyBuffer dlse, ffi::AnyBuffer q_segment_ids,
                    ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_segment_blocks,
-                   ffi::AnyBuffer kv_segment_blocks, ffi::Result<ffi::AnyBuffer> dq,
+                   ffi::AnyBuffer kv_segment_blocks, ffi::AnyBuffer q_segment_ranges,
+                   ffi::AnyBuffer kv_segment_ranges,
+                   ffi::Result<ffi::AnyBuffer> dq,
                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                    ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta,
                    ffi::Result<ffi::AnyBuffer> dq_semaphore,
                    ffi::Result<ffi::AnyBuffer> dkv_accum, float softmax_scale,
                    int64_t diag_lo, int64_t diag_hi) {
   BwdParams params;
-  const ffi_glue::SegmentBuffers segments{q_segment_ids, kv_segment_ids, q_segment_blocks,
-                                          kv_segment_blocks};
-  if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, segments, *dq, *dk, *dv, *dq_accum,
-                                         *delta, *dq_semaphore, *dkv_accum, softmax_scale, diag_lo,
-                                         diag_hi, &params);
+  const ffi_glue::SegmentBuffers segments{q_segment_ids,    kv_segment_ids,   q_segment_blocks,
+                                          kv_segment_blocks, q_segment_ranges, kv_segment_ranges};
+  if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, segments, *dq, *dk, *dv,
+                                         *dq_accum, *delta, *dq_semaphore, *dkv_accum,
+                                         softmax_scale, diag_lo, diag_hi, &params);
       err.failure()) {
     return err;
   }
@@ -315,7 +336,7 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                      "backward");
   if (ctx.has_error()) return ctx.error();
   if (cudaError_t err = kernel.launch(params, *ctx); err != cudaSuccess) {
-    return CudaError(err, "backward launch");
+    return LaunchError(err, **info, "backward");
   }
   return ffi::Error::Success();
 }

@@ -69,16 +69,18 @@ inline bool SameShape(const Shape4& a, const Shape4& b) {
   return a.batch == b.batch && a.seq == b.seq && a.heads == b.heads && a.head_dim == b.head_dim;
 }
 
-// The segment-id buffers of a call: all four empty (no segment ids), or the
-// ids and their block summaries (jflash/mask.h, SegmentParams), int32.
+// The segment-id buffers of a call: all six empty (no segment ids), or the
+// ids, their block summaries, each row's keys and each key's rows
+// (jflash/mask.h, SegmentParams), int32.
 struct SegmentBuffers {
-  ffi::AnyBuffer q_ids, kv_ids, q_blocks, kv_blocks;
+  ffi::AnyBuffer q_ids, kv_ids, q_blocks, kv_blocks, q_ranges, kv_ranges;
 };
 
 inline ffi::Error FillSegmentParams(const SegmentBuffers& b, const FwdParams& p,
                                     SegmentParams* s) {
   *s = SegmentParams{};
-  const ffi::AnyBuffer* buffers[] = {&b.q_ids, &b.kv_ids, &b.q_blocks, &b.kv_blocks};
+  const ffi::AnyBuffer* buffers[] = {&b.q_ids,    &b.kv_ids,   &b.q_blocks,
+                                     &b.kv_blocks, &b.q_ranges, &b.kv_ranges};
   int64_t nonempty = 0;
   for (const ffi::AnyBuffer* x : buffers) {
     if (x->element_type() != ffi::DataType::S32) {
@@ -91,10 +93,13 @@ inline ffi::Error FillSegmentParams(const SegmentBuffers& b, const FwdParams& p,
   if (b.q_ids.element_count() != batch * p.seqlen_q ||
       b.kv_ids.element_count() != batch * p.seqlen_k ||
       b.q_blocks.element_count() != batch * segment_blocks(p.seqlen_q) * 4 ||
-      b.kv_blocks.element_count() != batch * segment_blocks(p.seqlen_k) * 4) {
+      b.kv_blocks.element_count() != batch * segment_blocks(p.seqlen_k) * 4 ||
+      b.q_ranges.element_count() != batch * p.seqlen_q * 2 ||
+      b.kv_ranges.element_count() != batch * p.seqlen_k * 2) {
     return ffi::Error::InvalidArgument(
         "jflash: segment ids must be [batch, seqlen] (q and kv) with their block summaries "
-        "[batch, ceil(seqlen / " + std::to_string(kSegmentBlock) + "), 4]");
+        "[batch, ceil(seqlen / " + std::to_string(kSegmentBlock) + "), 4] and ranges "
+        "[batch, seqlen, 2]");
   }
   for (const ffi::AnyBuffer* x : {&b.q_blocks, &b.kv_blocks}) {
     if (reinterpret_cast<uintptr_t>(x->untyped_data()) % alignof(SegmentBlock) != 0) {
@@ -105,6 +110,8 @@ inline ffi::Error FillSegmentParams(const SegmentBuffers& b, const FwdParams& p,
   s->kv_ids = static_cast<const int32_t*>(b.kv_ids.untyped_data());
   s->q_blocks = static_cast<const SegmentBlock*>(b.q_blocks.untyped_data());
   s->kv_blocks = static_cast<const SegmentBlock*>(b.kv_blocks.untyped_data());
+  s->q_ranges = static_cast<const int32_t*>(b.q_ranges.untyped_data());
+  s->kv_ranges = static_cast<const int32_t*>(b.kv_ranges.untyped_data());
   s->seqlen_q = p.seqlen_q;
   s->seqlen_k = p.seqlen_k;
   return ffi::Error::Success();

@@ -11,8 +11,18 @@ csrc/include/jflash/mask.h), key j visible from query i iff diag_lo <= j - i <= 
 A query row that sees no key is where the two differ: jax fills masked logits
 with a large finite negative number, so such a row's softmax is uniform and its
 output is the mean of all values (its lse residual that large negative); the
-kernels write zeros. Those rows are known from the static shapes, and are
-patched here to jax's answer, gradients included.
+kernels write zeros. Those rows are patched here to jax's answer, gradients
+included: known from the static shapes for a band, and from the kernels' lse
+(-inf exactly where a row sees no key) under segment ids.
+
+query_seq_lengths and key_value_seq_lengths run on the kernels as segment ids:
+query rows past their length get an id that no key has, keys past theirs one
+that no row has. jax's answer for a padded query row is 0 (it multiplies the
+output by the row's validity) with zero gradients, which is the kernels' answer
+for a row that sees no key; a row within its length that sees no key (all its
+keys padded or outside the band) gets jax's mean of the values, as above.
+q_segment_ids and kv_segment_ids are jflash's own keywords (jax.nn has none):
+where jax's function runs instead, they become its boolean mask.
 """
 
 from __future__ import annotations
@@ -69,16 +79,26 @@ def _window(local_window_size):
     return None
 
 
+def _lengths_unsupported(query, q_lengths, kv_lengths):
+    """Why sequence lengths cannot run on the kernels (None: they can, or none given):
+    jax's [batch] int32 arrays, with a batch axis on the inputs."""
+    for name, arg in (("query_seq_lengths", q_lengths), ("key_value_seq_lengths", kv_lengths)):
+        if arg is None:
+            continue
+        if query.ndim != 4:
+            return f"{name} is given with rank-3 inputs (jflash takes lengths per batch entry)"
+        shape, dtype = np.shape(arg), getattr(arg, "dtype", None)
+        if shape != (query.shape[0],) or dtype is None or jnp.dtype(dtype) != jnp.int32:
+            return f"{name} must be an int32 array of shape ({query.shape[0]},) for jflash"
+    return None
+
+
 def _unsupported(query, key, value, bias, mask, scale, q_lengths, kv_lengths, window):
     """Why the jflash kernels cannot run this call, or None when they can."""
-    for name, arg in (
-        ("bias", bias),
-        ("mask", mask),
-        ("query_seq_lengths", q_lengths),
-        ("key_value_seq_lengths", kv_lengths),
-    ):
+    for name, arg in (("bias", bias), ("mask", mask)):
         if arg is not None:
-            return f"{name} is given (jflash supports is_causal and local_window_size masks only)"
+            return (f"{name} is given (jflash supports is_causal, local_window_size, sequence "
+                    "lengths and segment ids)")
     shapes = {n: x.shape for n, x in (("query", query), ("key", key), ("value", value))}
     ranks = {len(s) for s in shapes.values()}
     if len(ranks) != 1 or ranks.pop() not in (3, 4):
@@ -114,7 +134,51 @@ def _unsupported(query, key, value, bias, mask, scale, q_lengths, kv_lengths, wi
             return f"scale must be finite as float32 for jflash, got {static_scale}"
     if window is not None and _window(window) is None:
         return f"local_window_size must be an int or a pair of ints, got {window!r}"
-    return None
+    return _lengths_unsupported(query, q_lengths, kv_lengths)
+
+
+def _batched_segment_ids(query, key, q_segment_ids, kv_segment_ids):
+    """The jflash keywords q_segment_ids, kv_segment_ids ([B, T] and [B, S], or [T]
+    and [S] for rank-3 inputs) validated and as int32 [B, T], [B, S]; or None."""
+    if q_segment_ids is None and kv_segment_ids is None:
+        return None
+    q_shape = query.shape if query.ndim == 4 else (1, *query.shape)
+    k_shape = key.shape if key.ndim == 4 else (1, *key.shape)
+    if query.ndim == 3:
+        q_segment_ids = None if q_segment_ids is None else jnp.asarray(q_segment_ids)[None]
+        kv_segment_ids = None if kv_segment_ids is None else jnp.asarray(kv_segment_ids)[None]
+    return validation.check_segment_ids(q_segment_ids, kv_segment_ids, q_shape, k_shape)
+
+
+def _segment_mask(segment_ids, rank):
+    """Segment ids as jax.nn's boolean mask: [B, 1, T, S] (rank 4) or [1, T, S]."""
+    q_ids, kv_ids = segment_ids
+    mask = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
+    return mask if rank == 4 else mask[0]
+
+
+def _kernel_segment_ids(segment_ids, q_lengths, kv_lengths, seqlen_q, seqlen_k):
+    """Segment ids with the sequence lengths folded in, for the kernels: rows past
+    a query length get -1, keys past a key length -2, ids that no valid position
+    has (the ids of valid positions are made non-negative first: 0 without
+    segment ids, else each id's rank among the batch entry's ids, which keeps
+    equal ids equal and others apart). None when neither is given."""
+    if q_lengths is None and kv_lengths is None:
+        return segment_ids
+    batch = (q_lengths if q_lengths is not None else kv_lengths).shape[0]
+    if segment_ids is None:
+        q_ids = jnp.zeros((batch, seqlen_q), jnp.int32)
+        kv_ids = jnp.zeros((batch, seqlen_k), jnp.int32)
+    else:
+        q_ids, kv_ids = segment_ids
+        ids = jnp.sort(jnp.concatenate([q_ids, kv_ids], axis=-1), axis=-1)
+        rank = jax.vmap(lambda ids, x: jnp.searchsorted(ids, x).astype(jnp.int32))
+        q_ids, kv_ids = rank(ids, q_ids), rank(ids, kv_ids)
+    if q_lengths is not None:
+        q_ids = jnp.where(jnp.arange(seqlen_q)[None] < q_lengths[:, None], q_ids, -1)
+    if kv_lengths is not None:
+        kv_ids = jnp.where(jnp.arange(seqlen_k)[None] < kv_lengths[:, None], kv_ids, -2)
+    return q_ids, kv_ids
 
 
 def dot_product_attention(
@@ -132,6 +196,8 @@ def dot_product_attention(
     implementation=None,
     return_residual=False,
     deterministic=False,
+    q_segment_ids=None,
+    kv_segment_ids=None,
 ):
     """jax.nn.dot_product_attention, computed by the jflash kernels where they apply.
 
@@ -140,10 +206,11 @@ def dot_product_attention(
     K < N), top-left causal mask, local_window_size=(left, right) or an int,
     return_residual gives the logsumexp [B, T, N] in the input dtype.
 
-    jflash runs when bias, mask, query_seq_lengths and key_value_seq_lengths
-    are None, query/key/value share a dtype of float16, bfloat16 or float32,
-    head dim <= 256, and scale is static. Rows that see no key give jax's
-    result (the mean of the values), not the kernels' zeros.
+    jflash runs when bias and mask are None, query/key/value share a dtype of
+    float16, bfloat16 or float32, head dim <= 256, scale is static, and the
+    sequence lengths (if given) are int32 [B] arrays of rank-4 inputs. Rows
+    that see no key give jax's result (the mean of the values), not the
+    kernels' zeros; query rows past their length give 0, as in jax.
 
     Args:
       implementation: None: jflash when supported, else jax's own function
@@ -155,19 +222,32 @@ def dot_product_attention(
         the jflash kernels' gradients are bit-identical from run to run (see
         jflash.flash_attention). Calls that go to jax's own function are not
         affected.
+      q_segment_ids, kv_segment_ids: a jflash extension: both None, or integer
+        arrays [B, T] and [B, S] ([T] and [S] for rank-3 inputs): query t sees
+        key s only where q_segment_ids[b, t] == kv_segment_ids[b, s] (packed
+        documents; see jflash.flash_attention), on top of the other masks. A
+        call that goes to jax's own function gets them as its boolean mask.
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
         )
 
+    segment_ids = _batched_segment_ids(jnp.asarray(query), jnp.asarray(key), q_segment_ids,
+                                       kv_segment_ids)
+
     def jax_attention(implementation):
+        full_mask = mask
+        if segment_ids is not None:
+            full_mask = _segment_mask(segment_ids, jnp.ndim(query))
+            if mask is not None:
+                full_mask = jnp.logical_and(mask, full_mask)
         return jax.nn.dot_product_attention(
             query,
             key,
             value,
             bias,
-            mask,
+            full_mask,
             scale=scale,
             is_causal=is_causal,
             query_seq_lengths=query_seq_lengths,
@@ -197,19 +277,28 @@ def dot_product_attention(
     window = None if local_window_size is None else _window(local_window_size)
     diag_lo, diag_hi = masks.top_left_band(seqlen_q, seqlen_k, bool(is_causal), window)
     softmax_scale = 1.0 / np.sqrt(head_dim) if scale is None else _static_scale(scale)
+    q_lengths, kv_lengths = query_seq_lengths, key_value_seq_lengths
+    kernel_ids = _kernel_segment_ids(segment_ids, q_lengths, kv_lengths, seqlen_q, seqlen_k)
     out, lse = attention_band(
         q, k, v, softmax_scale=float(softmax_scale), diag_lo=diag_lo, diag_hi=diag_hi,
-        deterministic=deterministic,
+        deterministic=deterministic, q_segment_ids=None if kernel_ids is None else kernel_ids[0],
+        kv_segment_ids=None if kernel_ids is None else kernel_ids[1],
     )
-    empty = masks.rows_without_keys(seqlen_q, seqlen_k, diag_lo, diag_hi)
-    if empty.any():
+    if kernel_ids is None:
+        empty = masks.rows_without_keys(seqlen_q, seqlen_k, diag_lo, diag_hi)
+        patch = jnp.asarray(empty)[None, None, :] if empty.any() else None  # [1, 1, T]
+    else:  # lse is -inf exactly where a row sees no key
+        patch = jnp.isneginf(lse)  # [B, N, T]
+    if patch is not None:
         group = num_heads // num_heads_kv
         mean_v = jnp.repeat(jnp.mean(v.astype(jnp.float32), axis=1), group, axis=1)
-        rows = jnp.asarray(empty)[None, :, None, None]  # [1, T, 1, 1]
+        rows = jnp.swapaxes(patch, 1, 2)[..., None]  # [B or 1, T, N or 1, 1]
+        if q_lengths is not None:  # jax's padded query rows are 0, not the mean
+            rows = rows & (jnp.arange(seqlen_q) < q_lengths[:, None])[:, :, None, None]
         # Merged in float32 and rounded once, so that dv, which sums both
         # paths' gradients, is rounded once more at most.
         out = jnp.where(rows, mean_v[:, None], out.astype(jnp.float32)).astype(q.dtype)
-        lse = jnp.where(jnp.asarray(empty)[None, None, :], _JAX_MASKED_LOGIT, lse)
+        lse = jnp.where(patch, _JAX_MASKED_LOGIT, lse)
     out = jnp.reshape(out, output_shape)
     if not return_residual:
         return out

@@ -18,7 +18,7 @@ import numpy as np
 from jflash._src import context_parallel as _cp
 from jflash._src import ffi as _ffi
 from jflash._src import sharding
-from jflash._src.masks import clamp_band, segment_blocks
+from jflash._src.masks import clamp_band, segment_operands
 
 # Head dims the kernels are built for, read from the library
 # (csrc/include/jflash/head_dims.h, the one list). Other head dims are
@@ -39,14 +39,13 @@ def padded_head_dim(head_dim: int, segments: bool = False) -> int:
 
 
 def _segment_operands(segment_ids):
-    """The four segment buffers of both FFI calls: the ids [..., seq] (int32) of the
-    queries and the keys and their block summaries (masks.segment_blocks), computed
-    here for the arrays the kernel gets; four empty arrays without segment ids."""
+    """The six segment buffers of both FFI calls: the ids [..., seq] (int32) of the
+    queries and the keys, their block summaries, and each row's keys and each
+    key's rows (masks.segment_operands), computed here for the arrays the kernel
+    gets; six empty arrays without segment ids."""
     if segment_ids is None:
-        return (jnp.zeros((0,), jnp.int32),) * 4
-    q_ids, kv_ids = segment_ids
-    return (q_ids, kv_ids, segment_blocks(q_ids, kv_ids, _ffi.SEGMENT_BLOCK),
-            segment_blocks(kv_ids, q_ids, _ffi.SEGMENT_BLOCK))
+        return (jnp.zeros((0,), jnp.int32),) * 6
+    return segment_operands(*segment_ids, _ffi.SEGMENT_BLOCK)
 
 
 def _fwd_ffi(q, k, v, *, softmax_scale, diag_lo, diag_hi, segment_ids=None):

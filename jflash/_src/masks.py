@@ -13,8 +13,9 @@ it outside the kernels:
   visible                   the [seq_q, seq_k] mask itself (the reference), or
                             [batch, seq_q, seq_k] with segment ids
   rows_without_keys         the query rows that see no key at all
-  segment_blocks            the per-block summaries of segment ids that the
-                            kernels classify tiles by (SegmentMask)
+  segment_operands          the segment ids' summaries that the kernels classify
+                            tiles by (SegmentMask): per block of rows and keys,
+                            and each query row's keys
 
 Segment ids (packed documents) restrict the band further: query i sees key j
 only where q_segment_ids[b, i] == kv_segment_ids[b, j].
@@ -105,54 +106,6 @@ def visible(seqlen_q: int, seqlen_k: int, diag_lo: int, diag_hi: int, q_segment_
     return band & same
 
 
-def segment_blocks(ids, other_ids, block: int):
-    """The kernels' summaries of segment ids (csrc/include/jflash/mask.h, SegmentBlock).
-
-    ids [..., S], other_ids [..., T] (int32, the other side's ids of the same batch
-    entries) -> [..., ceil(S / block), 4] int32: per block of `block` positions of
-    ids, the min and max id, and the hull [begin, end) of the positions of
-    other_ids that hold one of the block's ids (begin >= end where none does).
-
-    The hull of each id is [first, last + 1) of its positions in other_ids, found
-    by a stable sort of other_ids and two binary searches per position: O((S + T)
-    log T), and exact where each id's positions are contiguous, whatever the
-    order of the ids (documents packed one after the other, padding included).
-    """
-    *lead, s = ids.shape
-    t = other_ids.shape[-1]
-    flat = ids.reshape(-1, s)
-    flat_other = other_ids.reshape(-1, t)
-
-    def hulls(row, other):
-        order = jnp.argsort(other, stable=True)  # positions ascending within an id
-        sorted_ids = other[order]
-        lo = jnp.searchsorted(sorted_ids, row, side="left")
-        hi = jnp.searchsorted(sorted_ids, row, side="right")
-        found = hi > lo
-        first = jnp.where(found, order[jnp.minimum(lo, t - 1)], t)
-        last = jnp.where(found, order[jnp.maximum(hi - 1, 0)] + 1, 0)
-        return first, last
-
-    first, last = jax.vmap(hulls)(flat, flat_other)
-    num_blocks = -(-s // block)
-    pad = num_blocks * block - s
-    info = np.iinfo(np.int32)
-
-    def per_block(x, fill):
-        return jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill).reshape(-1, num_blocks, block)
-
-    summary = jnp.stack(
-        [
-            per_block(flat, info.max).min(-1),
-            per_block(flat, info.min).max(-1),
-            per_block(first, t).min(-1),
-            per_block(last, 0).max(-1),
-        ],
-        axis=-1,
-    )
-    return summary.astype(jnp.int32).reshape(*lead, num_blocks, 4)
-
-
 def rows_without_keys(seqlen_q: int, seqlen_k: int, diag_lo: int, diag_hi: int):
     """[seqlen_q] bool (numpy, from the static shapes), True where the band holds
     no key of [0, seqlen_k): the rows the kernels write as out 0, lse -inf."""
@@ -160,3 +113,82 @@ def rows_without_keys(seqlen_q: int, seqlen_k: int, diag_lo: int, diag_hi: int):
     first = np.maximum(rows + diag_lo, 0)
     last = np.minimum(rows + diag_hi, seqlen_k - 1)
     return first > last
+
+
+def _id_hulls(ids, other_ids):
+    """For each position of ids [..., S]: the hull [first, end) of the positions of
+    other_ids [..., T] that hold its id (T, 0 where none does), and whether those
+    positions are contiguous (then the hull is exactly them). A stable sort of
+    other_ids and two binary searches per position: O((S + T) log T)."""
+    *lead, s = ids.shape
+    t = other_ids.shape[-1]
+
+    def hulls(row, other):
+        order = jnp.argsort(other, stable=True)  # positions ascending within an id
+        sorted_ids = other[order]
+        # Unrolled: XLA fuses the log2(T) steps into one kernel on GPU, where the
+        # default method's loop launches a kernel or more per step.
+        lo = jnp.searchsorted(sorted_ids, row, side="left", method="scan_unrolled")
+        hi = jnp.searchsorted(sorted_ids, row, side="right", method="scan_unrolled")
+        found = hi > lo
+        first = jnp.where(found, order[jnp.minimum(lo, t - 1)], t)
+        end = jnp.where(found, order[jnp.maximum(hi - 1, 0)] + 1, 0)
+        return first, end, ~found | (end - first == hi - lo)
+
+    flat = [x.reshape(-1, x.shape[-1]) for x in (ids, other_ids)]
+    return [x.reshape(*lead, s) for x in jax.vmap(hulls)(*flat)]
+
+
+def segment_blocks(ids, other_ids, block: int, hulls=None):
+    """The kernels' block summaries of segment ids (csrc/include/jflash/mask.h,
+    SegmentBlock).
+
+    ids [..., S], other_ids [..., T] (int32, the other side's ids of the same batch
+    entries) -> [..., ceil(S / block), 4] int32: per block of `block` positions of
+    ids, the min and max id, and the hull [begin, end) of the positions of
+    other_ids that hold one of the block's ids (begin >= end where none does).
+    The hull of each id is exact where its positions are contiguous, whatever the
+    order of the ids (documents packed one after the other, padding included).
+    hulls: _id_hulls(ids, other_ids), where already computed.
+    """
+    *lead, s = ids.shape
+    t = other_ids.shape[-1]
+    first, end, _ = _id_hulls(ids, other_ids) if hulls is None else hulls
+    num_blocks = -(-s // block)
+    pad = num_blocks * block - s
+    info = np.iinfo(np.int32)
+
+    def per_block(x, fill):
+        x = x.reshape(-1, s)
+        return jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill).reshape(-1, num_blocks, block)
+
+    summary = jnp.stack(
+        [
+            per_block(ids, info.max).min(-1),
+            per_block(ids, info.min).max(-1),
+            per_block(first, t).min(-1),
+            per_block(end, 0).max(-1),
+        ],
+        axis=-1,
+    )
+    return summary.astype(jnp.int32).reshape(*lead, num_blocks, 4)
+
+
+def segment_ranges(hulls):
+    """[..., S, 2] int32 from _id_hulls: per position (a query row, or a key), the
+    positions [begin, end) of the other side that hold its id, begin stored as
+    -1 - begin where those are not contiguous (the range is then only their
+    hull); [0, 0) where none holds it."""
+    first, end, exact = hulls
+    first = jnp.where(end > first, first, 0)
+    end = jnp.where(end > first, end, 0)
+    return jnp.stack([jnp.where(exact, first, -1 - first), end], axis=-1).astype(jnp.int32)
+
+
+def segment_operands(q_ids, kv_ids, block: int):
+    """The kernels' segment buffers (csrc/ffi/bindings.h): q ids, kv ids, their
+    block summaries, the query rows' key ranges and the keys' row ranges."""
+    q_hulls, kv_hulls = _id_hulls(q_ids, kv_ids), _id_hulls(kv_ids, q_ids)
+    return (q_ids, kv_ids, segment_blocks(q_ids, kv_ids, block, q_hulls),
+            segment_blocks(kv_ids, q_ids, block, kv_hulls), segment_ranges(q_hulls),
+            segment_ranges(kv_hulls))

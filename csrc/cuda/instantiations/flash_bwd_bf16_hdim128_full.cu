@@ -3,9 +3,8 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kBFloat16, 128, MaskKind::kNone,
-    BwdKernel{&run_flash_bwd<Element, 128, NoMask>,
-              BwdTraitsSm80<Element, 128>::kSmemBytes});
+[[maybe_unused]] const bool kRegistered_bwd_bf16_hdim128_full = register_bwd_kernel(DType::kBFloat16, 128, MaskKind::kNone,
+    BwdKernel{&run_flash_bwd<cutlass::bfloat16_t, 128, NoMask>,
+              BwdTraitsSm80<cutlass::bfloat16_t, 128>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

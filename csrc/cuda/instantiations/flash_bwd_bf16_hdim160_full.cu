@@ -3,9 +3,8 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kBFloat16, 160, MaskKind::kNone,
-    BwdKernel{&run_flash_bwd<Element, 160, NoMask>,
-              BwdTraitsSm80<Element, 160>::kSmemBytes});
+[[maybe_unused]] const bool kRegistered_bwd_bf16_hdim160_full = register_bwd_kernel(DType::kBFloat16, 160, MaskKind::kNone,
+    BwdKernel{&run_flash_bwd<cutlass::bfloat16_t, 160, NoMask>,
+              BwdTraitsSm80<cutlass::bfloat16_t, 160>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -3,9 +3,8 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kBFloat16, 256, MaskKind::kBand,
-    BwdKernel{&run_flash_bwd<Element, 256, BandMask>,
-              BwdTraitsSm80<Element, 256>::kSmemBytes});
+[[maybe_unused]] const bool kRegistered_bwd_bf16_hdim256_band = register_bwd_kernel(DType::kBFloat16, 256, MaskKind::kBand,
+    BwdKernel{&run_flash_bwd<cutlass::bfloat16_t, 256, BandMask>,
+              BwdTraitsSm80<cutlass::bfloat16_t, 256>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

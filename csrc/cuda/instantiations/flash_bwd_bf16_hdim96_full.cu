@@ -3,9 +3,8 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kBFloat16, 96, MaskKind::kNone,
-    BwdKernel{&run_flash_bwd<Element, 96, NoMask>,
-              BwdTraitsSm80<Element, 96>::kSmemBytes});
+[[maybe_unused]] const bool kRegistered_bwd_bf16_hdim96_full = register_bwd_kernel(DType::kBFloat16, 96, MaskKind::kNone,
+    BwdKernel{&run_flash_bwd<cutlass::bfloat16_t, 96, NoMask>,
+              BwdTraitsSm80<cutlass::bfloat16_t, 96>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

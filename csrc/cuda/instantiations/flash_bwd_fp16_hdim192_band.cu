@@ -3,9 +3,8 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kFloat16, 192, MaskKind::kBand,
-    BwdKernel{&run_flash_bwd<Element, 192, BandMask>,
-              BwdTraitsSm80<Element, 192>::kSmemBytes});
+[[maybe_unused]] const bool kRegistered_bwd_fp16_hdim192_band = register_bwd_kernel(DType::kFloat16, 192, MaskKind::kBand,
+    BwdKernel{&run_flash_bwd<cutlass::half_t, 192, BandMask>,
+              BwdTraitsSm80<cutlass::half_t, 192>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

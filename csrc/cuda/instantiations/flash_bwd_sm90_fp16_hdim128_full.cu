@@ -3,10 +3,9 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_sm90_bwd_kernel(DType::kFloat16, 128, MaskKind::kNone,
-    BwdKernel{&sm90::run_flash_bwd_sm90<Element, 128, NoMask>,
-              sm90::BwdTraitsSm90<Element, 128>::kSmemBytes,
+[[maybe_unused]] const bool kRegistered_bwd_sm90_fp16_hdim128_full = register_sm90_bwd_kernel(DType::kFloat16, 128, MaskKind::kNone,
+    BwdKernel{&sm90::run_flash_bwd_sm90<cutlass::half_t, 128, NoMask>,
+              sm90::BwdTraitsSm90<cutlass::half_t, 128>::kSmemBytes,
               &sm90::tma_compatible_bwd});
 }  // namespace
 }  // namespace jflash::cuda

@@ -3,10 +3,9 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kFloat16, 128, MaskKind::kNone,
-    BwdKernel{&run_flash_bwd<Element, 128, NoMask, SmemClass::kSmall>,
-              BwdTraitsSm80<Element, 128, SmemClass::kSmall>::kSmemBytes},
+[[maybe_unused]] const bool kRegistered_bwd_small_fp16_hdim128_full = register_bwd_kernel(DType::kFloat16, 128, MaskKind::kNone,
+    BwdKernel{&run_flash_bwd<cutlass::half_t, 128, NoMask, SmemClass::kSmall>,
+              BwdTraitsSm80<cutlass::half_t, 128, SmemClass::kSmall>::kSmemBytes},
     SmemClass::kSmall);
 static_assert(has_small_bwd_tile(128));
 }  // namespace

@@ -3,10 +3,9 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_bwd_kernel(DType::kFloat16, 160, MaskKind::kBand,
-    BwdKernel{&run_flash_bwd<Element, 160, BandMask, SmemClass::kSmall>,
-              BwdTraitsSm80<Element, 160, SmemClass::kSmall>::kSmemBytes},
+[[maybe_unused]] const bool kRegistered_bwd_small_fp16_hdim160_band = register_bwd_kernel(DType::kFloat16, 160, MaskKind::kBand,
+    BwdKernel{&run_flash_bwd<cutlass::half_t, 160, BandMask, SmemClass::kSmall>,
+              BwdTraitsSm80<cutlass::half_t, 160, SmemClass::kSmall>::kSmemBytes},
     SmemClass::kSmall);
 static_assert(has_small_bwd_tile(160));
 }  // namespace

@@ -3,9 +3,8 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kBFloat16, 128, MaskKind::kBand,
-    FwdKernel{&run_flash_fwd<Element, 128, BandMask>,
-              FwdTraitsSm80<Element, 128>::kSmemBytes});
+[[maybe_unused]] const bool kRegistered_fwd_bf16_hdim128_band = register_fwd_kernel(DType::kBFloat16, 128, MaskKind::kBand,
+    FwdKernel{&run_flash_fwd<cutlass::bfloat16_t, 128, BandMask>,
+              FwdTraitsSm80<cutlass::bfloat16_t, 128>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

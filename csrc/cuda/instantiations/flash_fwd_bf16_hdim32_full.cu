@@ -3,9 +3,8 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kBFloat16, 32, MaskKind::kNone,
-    FwdKernel{&run_flash_fwd<Element, 32, NoMask>,
-              FwdTraitsSm80<Element, 32>::kSmemBytes});
+[[maybe_unused]] const bool kRegistered_fwd_bf16_hdim32_full = register_fwd_kernel(DType::kBFloat16, 32, MaskKind::kNone,
+    FwdKernel{&run_flash_fwd<cutlass::bfloat16_t, 32, NoMask>,
+              FwdTraitsSm80<cutlass::bfloat16_t, 32>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

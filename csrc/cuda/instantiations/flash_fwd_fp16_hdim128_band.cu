@@ -3,9 +3,8 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kFloat16, 128, MaskKind::kBand,
-    FwdKernel{&run_flash_fwd<Element, 128, BandMask>,
-              FwdTraitsSm80<Element, 128>::kSmemBytes});
+[[maybe_unused]] const bool kRegistered_fwd_fp16_hdim128_band = register_fwd_kernel(DType::kFloat16, 128, MaskKind::kBand,
+    FwdKernel{&run_flash_fwd<cutlass::half_t, 128, BandMask>,
+              FwdTraitsSm80<cutlass::half_t, 128>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -3,9 +3,8 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kFloat16, 160, MaskKind::kNone,
-    FwdKernel{&run_flash_fwd<Element, 160, NoMask>,
-              FwdTraitsSm80<Element, 160>::kSmemBytes});
+[[maybe_unused]] const bool kRegistered_fwd_fp16_hdim160_full = register_fwd_kernel(DType::kFloat16, 160, MaskKind::kNone,
+    FwdKernel{&run_flash_fwd<cutlass::half_t, 160, NoMask>,
+              FwdTraitsSm80<cutlass::half_t, 160>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

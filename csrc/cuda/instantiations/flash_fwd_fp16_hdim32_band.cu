@@ -3,9 +3,8 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kFloat16, 32, MaskKind::kBand,
-    FwdKernel{&run_flash_fwd<Element, 32, BandMask>,
-              FwdTraitsSm80<Element, 32>::kSmemBytes});
+[[maybe_unused]] const bool kRegistered_fwd_fp16_hdim32_band = register_fwd_kernel(DType::kFloat16, 32, MaskKind::kBand,
+    FwdKernel{&run_flash_fwd<cutlass::half_t, 32, BandMask>,
+              FwdTraitsSm80<cutlass::half_t, 32>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -3,9 +3,8 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kFloat16, 96, MaskKind::kBand,
-    FwdKernel{&run_flash_fwd<Element, 96, BandMask>,
-              FwdTraitsSm80<Element, 96>::kSmemBytes});
+[[maybe_unused]] const bool kRegistered_fwd_fp16_hdim96_band = register_fwd_kernel(DType::kFloat16, 96, MaskKind::kBand,
+    FwdKernel{&run_flash_fwd<cutlass::half_t, 96, BandMask>,
+              FwdTraitsSm80<cutlass::half_t, 96>::kSmemBytes});
 }  // namespace
 }  // namespace jflash::cuda

@@ -3,9 +3,8 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_sm90_fwd_kernel(DType::kBFloat16, 128, MaskKind::kBand,
-    FwdKernel{&sm90::run_flash_fwd_sm90<Element, 128, BandMask>,
-              sm90::FwdTraitsSm90<Element, 128>::kSmemBytes, &tma_compatible});
+[[maybe_unused]] const bool kRegistered_fwd_sm90_bf16_hdim128_band = register_sm90_fwd_kernel(DType::kBFloat16, 128, MaskKind::kBand,
+    FwdKernel{&sm90::run_flash_fwd_sm90<cutlass::bfloat16_t, 128, BandMask>,
+              sm90::FwdTraitsSm90<cutlass::bfloat16_t, 128>::kSmemBytes, &tma_compatible});
 }  // namespace
 }  // namespace jflash::cuda

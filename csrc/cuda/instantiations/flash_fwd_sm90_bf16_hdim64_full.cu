@@ -3,9 +3,8 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_sm90_fwd_kernel(DType::kBFloat16, 64, MaskKind::kNone,
-    FwdKernel{&sm90::run_flash_fwd_sm90<Element, 64, NoMask>,
-              sm90::FwdTraitsSm90<Element, 64>::kSmemBytes, &tma_compatible});
+[[maybe_unused]] const bool kRegistered_fwd_sm90_bf16_hdim64_full = register_sm90_fwd_kernel(DType::kBFloat16, 64, MaskKind::kNone,
+    FwdKernel{&sm90::run_flash_fwd_sm90<cutlass::bfloat16_t, 64, NoMask>,
+              sm90::FwdTraitsSm90<cutlass::bfloat16_t, 64>::kSmemBytes, &tma_compatible});
 }  // namespace
 }  // namespace jflash::cuda

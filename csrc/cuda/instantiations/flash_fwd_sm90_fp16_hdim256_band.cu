@@ -3,9 +3,8 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_sm90_fwd_kernel(DType::kFloat16, 256, MaskKind::kBand,
-    FwdKernel{&sm90::run_flash_fwd_sm90<Element, 256, BandMask>,
-              sm90::FwdTraitsSm90<Element, 256>::kSmemBytes, &tma_compatible});
+[[maybe_unused]] const bool kRegistered_fwd_sm90_fp16_hdim256_band = register_sm90_fwd_kernel(DType::kFloat16, 256, MaskKind::kBand,
+    FwdKernel{&sm90::run_flash_fwd_sm90<cutlass::half_t, 256, BandMask>,
+              sm90::FwdTraitsSm90<cutlass::half_t, 256>::kSmemBytes, &tma_compatible});
 }  // namespace
 }  // namespace jflash::cuda

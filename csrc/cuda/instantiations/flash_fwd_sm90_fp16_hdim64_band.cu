@@ -3,9 +3,8 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_sm90_fwd_kernel(DType::kFloat16, 64, MaskKind::kBand,
-    FwdKernel{&sm90::run_flash_fwd_sm90<Element, 64, BandMask>,
-              sm90::FwdTraitsSm90<Element, 64>::kSmemBytes, &tma_compatible});
+[[maybe_unused]] const bool kRegistered_fwd_sm90_fp16_hdim64_band = register_sm90_fwd_kernel(DType::kFloat16, 64, MaskKind::kBand,
+    FwdKernel{&sm90::run_flash_fwd_sm90<cutlass::half_t, 64, BandMask>,
+              sm90::FwdTraitsSm90<cutlass::half_t, 64>::kSmemBytes, &tma_compatible});
 }  // namespace
 }  // namespace jflash::cuda

@@ -3,10 +3,9 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::bfloat16_t;
-[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kBFloat16, 224, MaskKind::kBand,
-    FwdKernel{&run_flash_fwd<Element, 224, BandMask, SmemClass::kSmall>,
-              FwdTraitsSm80<Element, 224, SmemClass::kSmall>::kSmemBytes},
+[[maybe_unused]] const bool kRegistered_fwd_small_bf16_hdim224_band = register_fwd_kernel(DType::kBFloat16, 224, MaskKind::kBand,
+    FwdKernel{&run_flash_fwd<cutlass::bfloat16_t, 224, BandMask, SmemClass::kSmall>,
+              FwdTraitsSm80<cutlass::bfloat16_t, 224, SmemClass::kSmall>::kSmemBytes},
     SmemClass::kSmall);
 static_assert(has_small_fwd_tile(224));
 }  // namespace

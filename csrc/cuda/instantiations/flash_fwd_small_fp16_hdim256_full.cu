@@ -3,10 +3,9 @@
 
 namespace jflash::cuda {
 namespace {
-using Element = cutlass::half_t;
-[[maybe_unused]] const bool kRegistered = register_fwd_kernel(DType::kFloat16, 256, MaskKind::kNone,
-    FwdKernel{&run_flash_fwd<Element, 256, NoMask, SmemClass::kSmall>,
-              FwdTraitsSm80<Element, 256, SmemClass::kSmall>::kSmemBytes},
+[[maybe_unused]] const bool kRegistered_fwd_small_fp16_hdim256_full = register_fwd_kernel(DType::kFloat16, 256, MaskKind::kNone,
+    FwdKernel{&run_flash_fwd<cutlass::half_t, 256, NoMask, SmemClass::kSmall>,
+              FwdTraitsSm80<cutlass::half_t, 256, SmemClass::kSmall>::kSmemBytes},
     SmemClass::kSmall);
 static_assert(has_small_fwd_tile(256));
 }  // namespace

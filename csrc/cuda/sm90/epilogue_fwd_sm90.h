@@ -62,9 +62,11 @@ struct FwdEpilogueSm90 {
         mO(args_.tma_o.get_tma_tensor(Traits::shape_q(args_.params))) {}
 
   // acc_o: the P V products' accumulator of the tile; softmax: its row max
-  // and sum; Mask: the kernel's mask policy (which rows see no key).
+  // and sum; Mask: the kernel's mask policy (which rows see no key; under
+  // segment ids, row_seen: whether each row saw a visible key, ScoreMaskSm90).
   template <typename Mask, typename Tile, typename AccO, typename Softmax>
-  __device__ __forceinline__ void store(const Tile& tile, AccO& acc_o, const Softmax& softmax) {
+  __device__ __forceinline__ void store(const Tile& tile, AccO& acc_o, const Softmax& softmax,
+                                        const bool* row_seen = nullptr) {
     const FwdParams& params = args.params;
     Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
     Tensor cO_rc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
@@ -72,7 +74,7 @@ struct FwdEpilogueSm90 {
     if constexpr (Traits::kSmemEpilogue) {
       normalize_output(o_rc, cO_rc, softmax.row_max, softmax.row_sum, tile.row_begin,
                        params.seqlen_q, Mask(params.mask, tile.batch), params.seqlen_k, tidx % 4 == 0,
-                       lse_ptr);
+                       lse_ptr, row_seen);
       Tensor o = convert_fragment<Element>(acc_o);
       // The warpgroup's previous TMA store must have read the slab before it
       // is overwritten; TMA clips the rows past seqlen_q.
@@ -95,7 +97,7 @@ struct FwdEpilogueSm90 {
                             params.seqlen_k, tidx % 4 == 0, lse_ptr,
                             static_cast<Element*>(params.out) + tile.batch * params.out_batch_stride +
                                 tile.head * params.out_head_stride,
-                            params.out_row_stride);
+                            params.out_row_stride, row_seen);
     }
   }
 

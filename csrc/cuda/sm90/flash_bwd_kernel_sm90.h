@@ -339,6 +339,55 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), acc_dp);
     const bool next_row_stat = loads_row_stat && step + 1 < steps.num_steps;
     const float row_stat = next_row_stat ? load_row_stat(step + 1) : 0.f;
+    // Segment ids, while the products run: each of this thread's keys' rows
+    // (the band cut to the rows of the key's id: exactly the rows that see it
+    // where those are contiguous, then the range test is all; keys past
+    // seqlen_k: none), and from them whether the warp masks this tile (the
+    // block summaries' tile class spilled at head dim 64). Where a key's rows
+    // are not contiguous (rare), the ids are compared too, into bits (bit r *
+    // kCols + c: the same id), the rows' ids read one after the other (each
+    // load's address waits for the last one) to keep registers free (loaded
+    // together, or compared after P, they spilled 290 to 380 bytes at head dim
+    // 64; this spills 190).
+    using IdBits = std::conditional_t<(kRows * kCols <= 32), uint32_t, uint64_t>;
+    bool seg_needs_mask = false, seg_inexact = false;
+    int seg_lo[kRows], seg_hi[kRows];
+    IdBits seg_same = ~IdBits{0};
+    if constexpr (Mask::kHasSegments) {
+      bool seg_exact[kRows];
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int key = key0 + get<0>(cS_rc(r, 0));
+        const auto rows = key < params.seqlen_k ? mask.key_row_range(key, params.seqlen_q)
+                                                : typename Mask::Range{{0, 0}, true};
+        seg_lo[r] = static_cast<int>(rows.keys.begin);
+        seg_hi[r] = static_cast<int>(rows.keys.end);
+        seg_exact[r] = rows.exact;
+        seg_inexact |= !rows.exact;
+        seg_needs_mask |= !rows.exact || seg_lo[r] > row0 || seg_hi[r] < row0 + kBlockM;
+      }
+      seg_inexact = __any_sync(0xffffffff, seg_inexact);
+      seg_needs_mask = __any_sync(0xffffffff, seg_needs_mask);
+      if (seg_inexact) {
+        int32_t key_id[kRows];
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          const int key = key0 + get<0>(cS_rc(r, 0));
+          key_id[r] = seg_exact[r] || key >= params.seqlen_k ? 0 : mask.key_segment(key);
+        }
+        int chain = 0;
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; ++c) {
+          int row = row0 + get<1>(cS_rc(0, c));
+          asm volatile("" : "+r"(row) : "r"(chain));
+          chain = row < params.seqlen_q ? mask.row_segment(row) : 0;
+          CUTE_UNROLL
+          for (int r = 0; r < kRows; ++r) {
+            if (!seg_exact[r] && chain != key_id[r]) seg_same &= ~(IdBits{1} << (r * kCols + c));
+          }
+        }
+      }
+    }
 
     // P^T = exp2(S^T * scale_log2 - lse_log2); keys outside the band or past
     // the last key get P = 0, by a select that a NaN lse or score cannot turn
@@ -350,14 +399,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     warpgroup_fence_operand(acc_s);
     Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     const bool needs_mask =
-        key0 + kBlockN > params.seqlen_k ||
-        mask.tile_class(row0, min(row0 + kBlockM, params.seqlen_q), key0, key0 + kBlockN) !=
-            TileClass::kFull;
+        Mask::kHasSegments
+            ? seg_needs_mask
+            : key0 + kBlockN > params.seqlen_k ||
+                  mask.tile_class(row0, min(row0 + kBlockM, params.seqlen_q), key0,
+                                  key0 + kBlockN) != TileClass::kFull;
     float lse_log2[kCols];  // of this thread's query rows (columns)
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) lse_log2[c] = smem.lse_log2[buffer][get<1>(cS_rc(0, c))];
     const int key_limit =
-        static_cast<int>(mask.keys_of_rows(0, params.seqlen_q, params.seqlen_k).end);
+        static_cast<int>(mask.band().keys_of_rows(0, params.seqlen_q, params.seqlen_k).end);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
@@ -366,7 +417,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (needs_mask) {
           const int key = key0 + get<0>(cS_rc(r, c));
           const int row = row0 + get<1>(cS_rc(r, c));
-          if (key >= key_limit || !visible(row, key)) p = -0.f;
+          const bool hidden = Mask::kHasSegments
+                                  ? row < seg_lo[r] || row >= seg_hi[r] ||
+                                        !((seg_same >> (r * kCols + c)) & 1)
+                                  : key >= key_limit || !visible(row, key);
+          if (hidden) p = -0.f;
         }
         s_rc(r, c) = p;
       }

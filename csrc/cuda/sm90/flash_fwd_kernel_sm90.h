@@ -96,7 +96,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const auto tile = scheduler.tile_at(t);
     if (!tile.valid) continue;
     mainloop.mma(tile, acc_o, softmax);
-    epilogue.template store<Mask>(tile, acc_o, softmax);
+    if constexpr (Mask::kHasSegments) {
+      epilogue.template store<Mask>(tile, acc_o, softmax, mainloop.mask.row_seen);
+    } else {
+      epilogue.template store<Mask>(tile, acc_o, softmax);
+    }
   }
   epilogue.finish();
 }
@@ -156,18 +160,28 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& params, const LaunchContext& 
 }
 
 // The entry point of the registry: the head dim's tile, or under a band on
-// short rows the short-band tile where the head dim has one.
+// short rows the short-band tile where the head dim has one. Under segment ids
+// always the short-band tile where there is one: the head dim 64 tile of 192
+// rows on three consumers (160 registers each) has no room for the segment
+// masking (it spilled 116-164 bytes), and packed documents are short rows.
 template <typename Element, int kHeadDim, typename Mask, bool kPingPong = true>
 cudaError_t run_flash_fwd_sm90(const FwdParams& params, const LaunchContext& ctx) {
+  using Main = FwdTraitsSm90<Element, kHeadDim, kPingPong>;
   if constexpr (!Mask::kDense && sm90_fwd_tile_short_band(kHeadDim).block_m > 0) {
     using Short = FwdTraitsSm90<Element, kHeadDim, kPingPong, /*kShortBand=*/true>;
-    static_assert(Short::kSmemBytes <= FwdTraitsSm90<Element, kHeadDim, kPingPong>::kSmemBytes,
+    static_assert(Short::kSmemBytes <= Main::kSmemBytes,
                   "the registry reports the main tile's shared memory");
-    if (params.seqlen_q <= kSm90ShortBandMaxLen && params.seqlen_k <= kSm90ShortBandMaxLen) {
+    if constexpr (Mask::kHasSegments) {
       return launch_flash_fwd_sm90<Short, Mask>(params, ctx);
+    } else {
+      if (params.seqlen_q <= kSm90ShortBandMaxLen && params.seqlen_k <= kSm90ShortBandMaxLen) {
+        return launch_flash_fwd_sm90<Short, Mask>(params, ctx);
+      }
+      return launch_flash_fwd_sm90<Main, Mask>(params, ctx);
     }
+  } else {
+    return launch_flash_fwd_sm90<Main, Mask>(params, ctx);
   }
-  return launch_flash_fwd_sm90<FwdTraitsSm90<Element, kHeadDim, kPingPong>, Mask>(params, ctx);
 }
 
 }  // namespace jflash::cuda::sm90

@@ -38,6 +38,15 @@ struct ScoreMaskSm90 {
   // inf: then their sums are NaN, which only costs the stale-max redo).
   int key_lo[kRows];
   int key_hi[kRows];
+  // Segment ids (Mask::kHasSegments; SegmentMask): the batch entry and the
+  // tile's first row; per row whether [key_lo, key_hi) is exactly its keys
+  // (its id's keys contiguous: the range test suffices, as for a band), and
+  // whether it has seen a visible key in this thread's columns (the epilogue's
+  // no-key test).
+  int batch = 0;
+  int row_begin = 0;
+  bool row_exact[kRows];
+  bool row_seen[kRows];
 
   __device__ __forceinline__ explicit ScoreMaskSm90(const FwdParams& params_)
       : params(params_),
@@ -47,18 +56,29 @@ struct ScoreMaskSm90 {
   // The key ranges of this thread's rows of the tile that starts at query row
   // row_begin; cS_rc: the (row, col) coordinates of its scores in the tile.
   template <typename CoordRowCol>
-  __device__ __forceinline__ void set_rows(int row_begin, int batch, const CoordRowCol& cS_rc) {
+  __device__ __forceinline__ void set_rows(int row_begin_, int batch_, const CoordRowCol& cS_rc) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const int row = row_begin + get<0>(cS_rc(r, 0));
+      const int row = row_begin_ + get<0>(cS_rc(r, 0));
       key_lo[r] = 0;
       key_hi[r] = params.seqlen_k;
       if (row >= params.seqlen_q) {
         key_hi[r] = params.seqlen_k + kBlockN;
+      } else if constexpr (Mask::kHasSegments) {
+        const auto range = Mask(params.mask, batch_).row_key_range(row, params.seqlen_k);
+        key_lo[r] = static_cast<int>(range.keys.begin);
+        key_hi[r] = static_cast<int>(range.keys.end);
+        row_exact[r] = range.exact;
       } else if constexpr (!Mask::kDense) {
-        const IndexRange keys = Mask(params.mask, batch).row_keys(row, params.seqlen_k);
+        const IndexRange keys = Mask(params.mask, batch_).row_keys(row, params.seqlen_k);
         key_lo[r] = static_cast<int>(keys.begin);
         key_hi[r] = static_cast<int>(keys.end);
+      }
+      if constexpr (Mask::kHasSegments) {
+        batch = batch_;
+        row_begin = row_begin_;
+        if (row >= params.seqlen_q) row_exact[r] = true;  // never stored
+        row_seen[r] = false;
       }
     }
   }
@@ -67,7 +87,10 @@ struct ScoreMaskSm90 {
   // band or the sequence end cuts, in place; returns whether it touched any.
   template <typename ScoresRowCol, typename CoordRowCol>
   __device__ __forceinline__ bool mask_scores(int n_block, ScoresRowCol& s_rc,
-                                              const CoordRowCol& cS_rc) const {
+                                              const CoordRowCol& cS_rc) {
+    if constexpr (Mask::kHasSegments) {
+      return mask_segment_scores(n_block, s_rc, cS_rc);
+    }
     const int key0 = n_block * kBlockN;
     bool needs_mask = key0 + kBlockN > params.seqlen_k;  // all rows alike when dense
     if constexpr (!Mask::kDense) {
@@ -111,6 +134,74 @@ struct ScoreMaskSm90 {
       }
     }
     return needs_mask;
+  }
+
+  // mask_scores under segment ids. [key_lo, key_hi) is the band cut to the keys
+  // of the row's id: for documents stored contiguously exactly the keys the row
+  // sees, so that masking is the band's range test, and a warp masks only the
+  // tiles that a range cuts. A row whose id's keys are not contiguous (rare)
+  // compares ids per element too, in every tile of its range; the keys' ids are
+  // read one after the other (each load's address waits for the last one),
+  // which keeps the score tile's registers free of them (the block summaries'
+  // test for a tile of one id, or the ids loaded together, spilled 160 to 420
+  // bytes).
+  template <typename ScoresRowCol, typename CoordRowCol>
+  __device__ __forceinline__ bool mask_segment_scores(int n_block, ScoresRowCol& s_rc,
+                                                      const CoordRowCol& cS_rc) {
+    const int key0 = n_block * kBlockN;
+    const Mask mask(params.mask, batch);
+    bool cut = false;
+    bool inexact = false;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      cut |= key_lo[r] > key0 || key_hi[r] < key0 + kBlockN;
+      inexact |= !row_exact[r];
+    }
+    inexact = __any_sync(0xffffffff, inexact);
+    int32_t row_id[kRows] = {};
+    if (inexact) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int row = row_begin + get<0>(cS_rc(r, 0));
+        row_id[r] = row_exact[r] ? 0 : mask.row_segment(row);
+        cut |= !row_exact[r];
+      }
+    }
+    if (!__any_sync(0xffffffff, cut)) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) row_seen[r] = true;
+      return false;
+    }
+    // Column c of this thread is key key0 + col0 + dc(c), dc a constant.
+    const int col0 = get<1>(cS_rc(0, 0));
+    bool seen[kRows];
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) seen[r] = false;
+    int chain = 0;
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      const int dc = get<1>(cS_rc(0, c)) - col0;
+      int32_t key_id = 0;
+      if (inexact) {
+        int key = key0 + col0 + dc;
+        asm volatile("" : "+r"(key) : "r"(chain));
+        key_id = key < params.seqlen_k ? mask.key_segment(key) : 0;
+        chain = key_id;
+      }
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int lo = key_lo[r] - key0 - col0;
+        const int hi = key_hi[r] - key0 - col0;
+        const bool visible = dc >= lo && dc < hi && (row_exact[r] || row_id[r] == key_id);
+        // A zero scale: the scaled score 0 * s, as in mask_scores.
+        const float kept = zero_scale ? s_rc(r, c) * 0.f : s_rc(r, c);
+        s_rc(r, c) = visible ? kept : (zero_scale ? -INFINITY : hidden_score);
+        seen[r] |= visible;
+      }
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) row_seen[r] |= seen[r];
+    return true;
   }
 };
 

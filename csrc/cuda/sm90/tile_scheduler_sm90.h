@@ -37,8 +37,8 @@ namespace jflash::cuda::sm90 {
 template <int kBlockM, int kBlockN, typename Mask>
 class TileSchedulerSm90 {
  public:
-  static_assert(!Mask::kEmptyTilesInRange,
-                "the producer loads every key tile of a query block's key range");
+  // The producer loads every key tile of a query block's key range; those
+  // that the policy finds empty (segment ids) are computed fully masked.
   static constexpr int kTilesPerUnit = Mask::kDense ? 1 : 2;
 
   // Query blocks of a head, and work units per head.

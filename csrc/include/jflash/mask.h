@@ -15,6 +15,9 @@
 //                            is in_band(i, j) && row_segment(i) == key_segment(j)
 //   band()                   the policy's band alone (a BandMask, or NoMask)
 //
+// SegmentMask answers two more: row_key_range(i) and key_row_range(j)
+// (row_keys, key_rows and whether they are exact).
+//
 // A range is empty when begin >= end. Block ranges are clipped on the side
 // they can overrun (begin >= 0, end <= seqlen), which is all a trip count
 // needs; a single row's or key's range lies in [0, seqlen] at both ends, so
@@ -31,8 +34,9 @@
 //   BandMask     key j visible from query i iff diag_lo <= j - i <= diag_hi.
 //   SegmentMask  a band (possibly unbounded) and segment ids: key j visible
 //                from query i iff the band lets it through and q_ids[i] ==
-//                kv_ids[j] (packed documents). Below, with its block summaries.
+//                kv_ids[j] (packed documents). Below, with its summaries.
 //
+// The band:
 //     no mask                  diag_lo = -seqlen_q, diag_hi = seqlen_k
 //     causal, bottom-right     diag_hi = seqlen_k - seqlen_q   (FlashAttention >= 2.1)
 //     causal, top-left         diag_hi = 0                     (jax.nn.dot_product_attention)
@@ -124,6 +128,12 @@ struct SegmentParams {
   const int32_t* kv_ids = nullptr;  // [batch, seqlen_k]
   const SegmentBlock* q_blocks = nullptr;  // [batch, segment_blocks(seqlen_q)]
   const SegmentBlock* kv_blocks = nullptr;  // [batch, segment_blocks(seqlen_k)]
+  // [batch, seqlen_q, 2] and [batch, seqlen_k, 2]: per query row the keys
+  // [begin, end) that hold its id, per key the rows; begin stored as -1 - begin
+  // where those are not contiguous (then only their hull); [0, 0) where none
+  // holds it (segment_ranges in masks.py).
+  const int32_t* q_ranges = nullptr;
+  const int32_t* kv_ranges = nullptr;
   int seqlen_q = 0;  // the ids' batch strides, and the ends a SegmentMask clips to
   int seqlen_k = 0;
 
@@ -135,6 +145,8 @@ struct SegmentParams {
       p.kv_ids += batches * seqlen_k;
       p.q_blocks += batches * segment_blocks(seqlen_q);
       p.kv_blocks += batches * segment_blocks(seqlen_k);
+      p.q_ranges += batches * seqlen_q * 2;
+      p.kv_ranges += batches * seqlen_k * 2;
     }
     return p;
   }
@@ -298,8 +310,9 @@ class BandMask {
 // one document (one id on both sides) are full: a packed row of short
 // documents costs about what the documents cost one by one.
 //
-// row_keys and key_rows are the band's range cut to the row's (key's) block
-// hull: a superset of the keys it sees. Rows and keys past the sequence ends
+// row_keys (key_rows) is the band's range cut to the keys (rows) that hold the
+// row's (key's) id: exactly the keys the row sees where those are contiguous
+// (row_key_range, key_row_range say so), a hull otherwise. Rows and keys past the sequence ends
 // (SegmentParams::seqlen_q, seqlen_k) are never visible: visible() tests
 // them first and reads no id there, and the block questions clip to them.
 class SegmentMask {
@@ -320,10 +333,25 @@ class SegmentMask {
     return cut(band_.rows_of_keys(c0, c1, seqlen_q), keys_summary(c0, c1));
   }
   JFLASH_HOST_DEVICE IndexRange row_keys(int64_t i, int64_t seqlen_k) const {
-    return cut(band_.row_keys(i, seqlen_k), rows_summary(i, i + 1));
+    return row_key_range(i, seqlen_k).keys;
+  }
+  // row_keys (key_rows), and whether it holds exactly the keys that row i <
+  // seqlen_q sees (the rows that see key j < seqlen_k): then no per-element
+  // test is needed for them.
+  struct Range {
+    IndexRange keys;  // the keys of a row, or the rows of a key
+    bool exact;
+  };
+  JFLASH_HOST_DEVICE Range row_key_range(int64_t i, int64_t seqlen_k) const {
+    return cut_to_ids(band_.row_keys(i, seqlen_k),
+                      s_.q_ranges + (int64_t{batch_} * s_.seqlen_q + i) * 2);
+  }
+  JFLASH_HOST_DEVICE Range key_row_range(int64_t j, int64_t seqlen_q) const {
+    return cut_to_ids(band_.key_rows(j, seqlen_q),
+                      s_.kv_ranges + (int64_t{batch_} * s_.seqlen_k + j) * 2);
   }
   JFLASH_HOST_DEVICE IndexRange key_rows(int64_t j, int64_t seqlen_q) const {
-    return cut(band_.key_rows(j, seqlen_q), keys_summary(j, j + 1));
+    return key_row_range(j, seqlen_q).keys;
   }
 
   // Empty: the band's tile is, or no row's id can equal a key's (disjoint id
@@ -412,6 +440,13 @@ class SegmentMask {
   }
   JFLASH_HOST_DEVICE SegmentBlock keys_summary(int64_t c0, int64_t c1) const {
     return summary(s_.kv_blocks + int64_t{batch_} * segment_blocks(s_.seqlen_k), s_.seqlen_k, c0, c1);
+  }
+  // A row's (key's) band range cut to its ids' range, stored at ids as in
+  // SegmentParams::q_ranges.
+  JFLASH_HOST_DEVICE static Range cut_to_ids(IndexRange band, const int32_t* ids) {
+    const int32_t begin = load(ids);
+    const SegmentBlock hull{0, 0, begin < 0 ? -1 - begin : begin, load(ids + 1)};
+    return {cut(band, hull), begin >= 0};
   }
   // A range cut to a summary's hull; an empty result is {end, end}, so that
   // its ends stay where the range's end was bounded (row_keys: in [0, seqlen]).
