@@ -1,8 +1,8 @@
 """Generate tokens with a KV cache: a small decoder-only transformer in decode mode.
 
-The model is the one of examples/train_transformer.py (pre-norm blocks of
-jflash.flax.linen.MultiHeadAttention with GQA, and an MLP), with random
-parameters. Its attention layers run with decode=True: the prompt goes in as one
+The model is the one of examples/train_transformer.py (examples/transformer.py:
+pre-norm blocks of jflash.flax.linen.MultiHeadAttention with GQA, and an MLP),
+with random parameters. Its attention layers run with decode=True: the prompt goes in as one
 step, then each generated token as one step, each step appending its keys and
 values to the layers' caches and attending over them with
 jflash.flash_attention_with_kvcache. Tokens are picked greedily.
@@ -20,52 +20,16 @@ from __future__ import annotations
 
 import argparse
 import functools
+import pathlib
+import sys
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jflash.flax
-
-
-class Block(nn.Module):
-    num_heads: int
-    num_kv_heads: int
-    dtype: jnp.dtype
-    decode: bool
-
-    @nn.compact
-    def __call__(self, x):  # x [batch, length, d_model]
-        h = nn.LayerNorm(dtype=self.dtype)(x)
-        x = x + jflash.flax.linen.MultiHeadAttention(
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, is_causal=True,
-            dtype=self.dtype, implementation="jflash", decode=self.decode,
-        )(h)
-        h = nn.LayerNorm(dtype=self.dtype)(x)
-        h = nn.gelu(nn.Dense(4 * x.shape[-1], dtype=self.dtype)(h))
-        return x + nn.Dense(x.shape[-1], dtype=self.dtype)(h)
-
-
-class Transformer(nn.Module):
-    vocab: int
-    d_model: int
-    layers: int
-    num_heads: int
-    num_kv_heads: int
-    max_len: int
-    dtype: jnp.dtype = jnp.float32
-    decode: bool = False
-
-    @nn.compact
-    def __call__(self, tokens, positions):  # [batch, length] -> logits [batch, length, vocab]
-        pos = self.param("pos", nn.initializers.normal(0.02), (self.max_len, self.d_model))
-        x = nn.Embed(self.vocab, self.d_model)(tokens) + pos[positions]
-        for _ in range(self.layers):
-            x = Block(self.num_heads, self.num_kv_heads, self.dtype, self.decode)(x)
-        x = nn.LayerNorm(dtype=self.dtype)(x)
-        return nn.Dense(self.vocab, dtype=jnp.float32)(x)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # also under python3 -P
+from transformer import Transformer  # noqa: E402  (examples/transformer.py)
 
 
 def parse_args():

@@ -166,19 +166,26 @@ def check_segment_ids(q_segment_ids, kv_segment_ids, q_shape, k_shape):
         other = "kv_segment_ids" if missing[0] == "q_segment_ids" else "q_segment_ids"
         raise ValueError(f"{other} is given but {missing[0]} is None; pass both segment ids "
                          "or neither")
-    for name, x, expected, dims in (
-        ("q_segment_ids", q_segment_ids, (q_shape[0], q_shape[1]), "[batch, seq_q] of query"),
-        ("kv_segment_ids", kv_segment_ids, (k_shape[0], k_shape[1]), "[batch, seq_k] of key"),
-    ):
-        shape, dtype = _shape_dtype(name, x)
-        if not jnp.issubdtype(dtype, jnp.integer):
-            raise TypeError(f"{name} must be an integer array (int32 ids), got dtype {dtype}")
-        if jnp.dtype(jax.dtypes.canonicalize_dtype(dtype)) not in _SEGMENT_ID_DTYPES:
-            raise TypeError(f"{name} has dtype {dtype}; segment ids are int32 (or a narrower "
-                            "integer type): cast them with .astype(jnp.int32)")
-        if shape != expected:
-            raise ValueError(f"{name} must have shape {dims}, {expected}, got shape {shape}")
-    return tuple(jnp.asarray(x).astype(jnp.int32) for x in (q_segment_ids, kv_segment_ids))
+    return (
+        _int32_array("q_segment_ids", q_segment_ids, (q_shape[0], q_shape[1]),
+                     "[batch, seq_q] of query", "segment ids are"),
+        _int32_array("kv_segment_ids", kv_segment_ids, (k_shape[0], k_shape[1]),
+                     "[batch, seq_k] of key", "segment ids are"),
+    )
+
+
+def _int32_array(name, x, expected_shape, dims, subject="it must be"):
+    """x as an int32 array: an integer dtype that int32 holds (as jax stores it),
+    of shape expected_shape (described as dims in the error)."""
+    shape, dtype = _shape_dtype(name, x)
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array (int32), got dtype {dtype}")
+    if jnp.dtype(jax.dtypes.canonicalize_dtype(dtype)) not in _SEGMENT_ID_DTYPES:
+        raise TypeError(f"{name} has dtype {dtype}; {subject} int32 (or a narrower integer "
+                        "type): cast with .astype(jnp.int32)")
+    if shape != expected_shape:
+        raise ValueError(f"{name} must have shape {dims}, {expected_shape}, got shape {shape}")
+    return jnp.asarray(x).astype(jnp.int32)
 
 
 def check_bool(name, value):
@@ -205,18 +212,6 @@ def _rank4(name, x, layout):
     if any(d == 0 for d in shape):
         raise ValueError(f"{name} must have no zero-sized dimension, got shape {shape}")
     return shape, dtype
-
-
-def _int_array(name, x, expected_shape, what):
-    shape, dtype = _shape_dtype(name, x)
-    if not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"{name} must be an integer array (int32), got dtype {dtype}")
-    if jnp.dtype(jax.dtypes.canonicalize_dtype(dtype)) not in _SEGMENT_ID_DTYPES:
-        raise TypeError(f"{name} has dtype {dtype}; it must be int32 (or a narrower integer "
-                        "type): cast it with .astype(jnp.int32)")
-    if shape != expected_shape:
-        raise ValueError(f"{name} must have shape {what}, {expected_shape}, got shape {shape}")
-    return jnp.asarray(x).astype(jnp.int32)
 
 
 def check_kvcache(query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
@@ -257,7 +252,7 @@ def check_kvcache(query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_ta
             raise ValueError(f"k_cache must have query's batch size, got query {q} and k_cache "
                              f"{k} (a paged cache comes with block_table)")
         capacity = k[1]
-    seqlens = _int_array("cache_seqlens", cache_seqlens, (batch,), "[batch] of query")
+    seqlens = _int32_array("cache_seqlens", cache_seqlens, (batch,), "[batch] of query")
     if (k_new is None) != (v_new is None):
         given, missing = ("k_new", "v_new") if v_new is None else ("v_new", "k_new")
         raise ValueError(f"{given} is given but {missing} is None; pass both or neither")
@@ -283,7 +278,7 @@ def _rank_checked_table(block_table, batch):
     if len(shape) != 2 or shape[0] != batch or shape[1] == 0:
         raise ValueError(f"block_table must have shape [batch, max_blocks_per_seq] with batch "
                          f"{batch} and at least one block, got shape {shape}")
-    return _int_array("block_table", block_table, shape, "[batch, max_blocks_per_seq]")
+    return _int32_array("block_table", block_table, shape, "[batch, max_blocks_per_seq]")
 
 
 def check_softcap(softcap):
