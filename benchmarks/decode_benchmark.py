@@ -57,7 +57,9 @@ def make_cache(key, batch, capacity, args):
 
     shape = (batch, capacity, args.kv_heads, args.head_dim)
     k1, k2 = jax.random.split(key)
-    return tuple(jax.random.normal(k, shape, jnp.float32).astype(args.dtype) for k in (k1, k2))
+    # Drawn in the cache's dtype: a float32 draw would need twice the cache's bytes
+    # (17 GB each for K and V at batch 32, 128k keys).
+    return tuple(jax.random.normal(k, shape, jnp.dtype(args.dtype)) for k in (k1, k2))
 
 
 def to_paged(k_cache, v_cache, block_size, key):
