@@ -90,58 +90,16 @@ if ARGS.host_devices:
         + f" --xla_force_host_platform_device_count={ARGS.host_devices}"
     )
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import jflash.flax  # noqa: E402
+import jflash  # noqa: E402
 
-
-class Block(nn.Module):
-    num_heads: int
-    num_kv_heads: int
-    dtype: jnp.dtype
-    implementation: str
-
-    @nn.compact
-    def __call__(self, x):  # x [batch, seq, d_model]
-        h = nn.LayerNorm(dtype=self.dtype)(x)
-        x = x + jflash.flax.linen.MultiHeadAttention(
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            is_causal=True,
-            dtype=self.dtype,
-            implementation=self.implementation,
-        )(h)
-        h = nn.LayerNorm(dtype=self.dtype)(x)
-        h = nn.gelu(nn.Dense(4 * x.shape[-1], dtype=self.dtype)(h))
-        return x + nn.Dense(x.shape[-1], dtype=self.dtype)(h)
-
-
-class Transformer(nn.Module):
-    vocab: int
-    d_model: int
-    layers: int
-    num_heads: int
-    num_kv_heads: int
-    max_len: int
-    dtype: jnp.dtype = jnp.float32
-    implementation: str = "jflash"  # "jflash": never silently falls back
-
-    @nn.compact
-    def __call__(self, tokens, positions=None):  # tokens [batch, seq] -> logits [batch, seq, vocab]
-        pos = self.param("pos", nn.initializers.normal(0.02), (self.max_len, self.d_model))
-        # positions: the true position of each token (a permutation under the
-        # zigzag layout of context parallelism), natural order by default.
-        pos = pos[: tokens.shape[1]] if positions is None else pos[positions]
-        x = nn.Embed(self.vocab, self.d_model)(tokens) + pos
-        for _ in range(self.layers):
-            x = Block(self.num_heads, self.num_kv_heads, self.dtype, self.implementation)(x)
-        x = nn.LayerNorm(dtype=self.dtype)(x)
-        return nn.Dense(self.vocab, dtype=jnp.float32)(x)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also under python3 -P
+from transformer import Transformer  # noqa: E402  (examples/transformer.py)
 
 
 def model_parallel_spec(path):

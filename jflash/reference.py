@@ -1,4 +1,6 @@
-"""Plain-jnp attention with jflash's exact semantics, in float32.
+"""Plain-jnp attention with jflash's exact semantics, in float32:
+attention (flash_attention's) and attention_with_kvcache
+(flash_attention_with_kvcache's).
 
 The documentation of what the kernels compute, and the reference every test
 compares against. It materializes the seq_q x seq_k score matrix: use it for
@@ -24,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jflash._src import masks
+from jflash._src import decode, masks
 from jflash._src.flash_attention import resolve_arguments
 
 # HIGHEST: on GPU a float32 einsum otherwise runs in TF32, and the reference
@@ -131,17 +133,28 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, dtype=
     Rows that see no key give out 0, lse -inf and zero gradients (never NaN);
     NaN and Inf as in the module docstring.
     """
-    batch, seqlen_q, num_heads, _ = query.shape
-    seqlen_k, num_heads_kv = key.shape[1], key.shape[2]
+    seqlen_q, seqlen_k = query.shape[1], key.shape[1]
     diag_lo, diag_hi = masks.clamp_band(seqlen_q, seqlen_k, diag_lo, diag_hi)
-    group = num_heads // num_heads_kv
+    visible = masks.visible(seqlen_q, seqlen_k, diag_lo, diag_hi, q_segment_ids, kv_segment_ids)
+    return masked_attention(query, key, value, visible, softmax_scale=softmax_scale, dtype=dtype)
+
+
+def masked_attention(query, key, value, visible, *, softmax_scale, softcap=None,
+                     dtype=jnp.float32):
+    """(out, lse) with key j visible from query i where visible [seq_q, seq_k] (or
+    [batch, seq_q, seq_k]) is True; softcap: None, or c with scores c * tanh(s / c)
+    for s = softmax_scale * q.k. dtype and the rest as in attention_band."""
+    seqlen_q, seqlen_k = query.shape[1], key.shape[1]
+    group = query.shape[2] // key.shape[2]
     q = query.astype(dtype)
     k = jnp.repeat(key.astype(dtype), group, axis=2)  # kv head h // group serves query head h
     v = jnp.repeat(value.astype(dtype), group, axis=2)
-    visible = masks.visible(seqlen_q, seqlen_k, diag_lo, diag_hi, q_segment_ids, kv_segment_ids)
     visible = jnp.reshape(visible, (-1, 1, seqlen_q, seqlen_k))  # [batch or 1, 1, sq, sk]
     no_key = ~jnp.any(visible, axis=-1, keepdims=True)  # rows that see no key
     scores = _scores(q, k, visible) * jnp.asarray(softmax_scale, dtype)
+    if softcap is not None:
+        cap = jnp.asarray(softcap, dtype)
+        scores = cap * jnp.tanh(scores / cap)
     scores = jnp.where(visible, scores, -jnp.inf)
     # The row max only stabilizes exp; it cancels, so no gradient flows through
     # it. NaN (a NaN score) and +inf stay: they make the row NaN, as they must.
@@ -170,3 +183,60 @@ def attention(query, key, value, *, causal=False, softmax_scale=None, return_lse
         q_segment_ids=q_ids, kv_segment_ids=kv_ids,
     )
     return (out, lse) if return_lse else out
+
+
+def kvcache_attention(query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, *,
+                      config, capacity, dtype=jnp.float32):
+    """(out, lse, k_cache, v_cache) of flash_attention_with_kvcache for validated
+    arguments (config: jflash._src.decode.DecodeConfig; the caches None without
+    k_new); dtype as in attention_band. The keys of sequence b are its first
+    cache_len cache positions (cache_len: cache_seqlens[b] clamped to [0,
+    capacity - seq_new]), then k_new's: materialized [batch, capacity, ...]."""
+    batch, seqlen_q = query.shape[:2]
+    seqlen_new = 0 if k_new is None else k_new.shape[1]
+    cache_len = jnp.clip(cache_seqlens, 0, capacity - seqlen_new)
+    total = cache_len + seqlen_new
+    positions = jnp.arange(capacity, dtype=jnp.int32)
+    if block_table is None:
+        keys, values = k_cache, v_cache
+    else:
+        block_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
+        blocks = jnp.clip(block_table[:, positions // block_size], 0, num_blocks - 1)
+        keys, values = (x[blocks, positions % block_size] for x in (k_cache, v_cache))
+    if k_new is not None:
+        new_index = jnp.clip(positions[None, :] - cache_len[:, None], 0, seqlen_new - 1)
+        is_new = (positions[None, :] >= cache_len[:, None])[..., None, None]
+        keys = jnp.where(is_new, jnp.take_along_axis(k_new, new_index[..., None, None], 1), keys)
+        values = jnp.where(is_new, jnp.take_along_axis(v_new, new_index[..., None, None], 1),
+                           values)
+        k_cache, v_cache = decode.append_rows(k_cache, v_cache, k_new, v_new, cache_seqlens,
+                                              block_table, capacity)
+    # The band aligned bottom-right to each sequence's length (decode_window).
+    offset = (total - seqlen_q)[:, None, None]
+    j_minus_i = positions[None, None, :] - jnp.arange(seqlen_q)[None, :, None]
+    visible = positions[None, None, :] < total[:, None, None]
+    if config.window_left >= 0:
+        visible &= j_minus_i >= offset - config.window_left
+    if config.window_right >= 0:
+        visible &= j_minus_i <= offset + config.window_right
+    out, lse = masked_attention(query, keys, values, visible, softmax_scale=config.softmax_scale,
+                                softcap=config.softcap or None, dtype=dtype)
+    return out, lse, (k_cache if k_new is not None else None), (
+        v_cache if k_new is not None else None)
+
+
+def attention_with_kvcache(query, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None,
+                           block_table=None, causal=True, window_size=None, softcap=None,
+                           softmax_scale=None, return_lse=False, num_splits=None):
+    """Same signature and semantics as jflash.flash_attention_with_kvcache, in plain
+    jnp (num_splits is checked and otherwise ignored: the softmax here is whole)."""
+    args = decode.resolve_kvcache_arguments(query, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                            block_table, causal, window_size, softcap,
+                                            softmax_scale, return_lse, num_splits)
+    out, lse, k_out, v_out = kvcache_attention(query, k_cache, v_cache, args.cache_seqlens, k_new,
+                                               v_new, args.block_table, config=args.config,
+                                               capacity=args.capacity)
+    results = (out, lse) if args.return_lse else (out,)
+    if k_new is not None:
+        results += (k_out, v_out)
+    return results[0] if len(results) == 1 else results

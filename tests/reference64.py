@@ -66,9 +66,9 @@ def _visible4(sq, sk, diag_lo, diag_hi, segment_ids):
     return visible.reshape(-1, 1, sq, sk)
 
 
-def forward(q, k, v, softmax_scale, diag_lo, diag_hi, segment_ids=None):
+def forward(q, k, v, softmax_scale, diag_lo, diag_hi, segment_ids=None, softcap=None):
     """(out [b,sq,h,d], lse [b,h,sq], p [b,h,sq,sk]) in float64; segment_ids: None or
-    (q ids [b, sq], kv ids [b, sk])."""
+    (q ids [b, sq], kv ids [b, sk]); softcap: None, or c with scores c * tanh(s / c)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     group = q.shape[2] // k.shape[2]
     k, v = _expand_kv(k, group), _expand_kv(v, group)
@@ -77,6 +77,8 @@ def forward(q, k, v, softmax_scale, diag_lo, diag_hi, segment_ids=None):
     no_key = ~visible.any(-1, keepdims=True)  # rows that see no key
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         s = np.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
+        if softcap is not None:
+            s = softcap * np.tanh(s / softcap)
         s = np.where(visible, s, -np.inf)
         m = s.max(-1, keepdims=True)  # NaN if a visible score is NaN
         m = np.where(m == -np.inf, 0.0, m)  # no key, or every score -inf: -inf - -inf = NaN

@@ -1,4 +1,4 @@
-"""Every instruction-set path of the CPU kernel, not only the widest one.
+"""Every instruction-set path of the CPU kernels, not only the widest one.
 
 The CPU kernel picks AVX-512, AVX2+FMA or plain x86-64 at run time, so a
 machine runs only its best path; JFLASH_CPU_ISA forces a narrower one. The
@@ -44,6 +44,11 @@ for dtype in (jnp.float32, jnp.bfloat16):
         truth_grads = reference64.backward(*x64, np.zeros((2, h, sq)), scale, lo, hi)
         for name, got, ref, exact in zip("qkv", vjp(dout), plain_vjp(dout), truth_grads):
             assert_within_rule("d" + name, got, ref, exact, dtype)
+# The decode kernel (flash_attention_with_kvcache): paged, appended, split.
+from decode_cases import Case, check_case
+for case in (Case(seqlens=(100, 3), capacity=160, block_size=16, seq_new=2, seq_q=2, num_splits=3),
+             Case(seqlens=(50,), capacity=64, heads=4, heads_kv=1, head_dim=64, dtype="float32")):
+    check_case(rng, case)
 print("ok")
 """
 

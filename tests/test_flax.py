@@ -268,3 +268,50 @@ def test_attention_fn_batch_dims_must_match(rng, kv_shape, message, is_causal):
         jflash.flax.attention_fn(q, kv, kv, is_causal=is_causal)
     with pytest.raises(ValueError, match="batch dims must match|same rank"):
         nnx.dot_product_attention(q, kv, kv)  # Flax's own answer
+
+
+# ------------------------------------------------------------------ decode
+
+def _chunks(length, first):
+    """A prompt of `first` tokens, then one token per step."""
+    return [slice(0, first)] + [slice(i, i + 1) for i in range(first, length)]
+
+
+@pytest.mark.parametrize("window", [None, (3, 0)])
+def test_linen_decode_matches_full_call(rng, window):
+    """Decode steps (a prompt, then a token per step) give the full causal call's
+    outputs for the same tokens; the cache index counts the tokens."""
+    layer = jflash.flax.linen.MultiHeadAttention(num_heads=4, num_kv_heads=2, is_causal=True,
+                                                 local_window_size=window, decode=True)
+    x = jnp.asarray(rng.standard_normal((2, 11, 32)), jnp.float32)
+    variables = layer.init(jax.random.key(0), x)  # sizes the cache: 11 tokens
+    params, cache = variables["params"], variables["cache"]
+    assert cache["cached_key"].shape == (2, 11, 2, 8)
+    want = layer.clone(decode=False).apply({"params": params}, x)
+    step = jax.jit(lambda cache, x: layer.apply({"params": params, "cache": cache}, x,
+                                                mutable=["cache"]))
+    outs = []
+    for chunk in _chunks(11, 5):
+        out, mutated = step(cache, x[:, chunk])
+        cache = mutated["cache"]
+        outs.append(out)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(want),
+                               atol=2e-5, rtol=2e-5)
+    assert int(cache["cache_index"]) == 11
+    with pytest.raises(ValueError, match="self-attention"):
+        layer.apply({"params": params, "cache": cache}, x[:, :1], x[:, :1], mutable=["cache"])
+
+
+def test_nnx_decode_matches_full_call(rng):
+    layer = jflash.flax.nnx.MultiHeadAttention(num_heads=4, in_features=32, num_kv_heads=1,
+                                               is_causal=True, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((3, 9, 32)), jnp.float32)
+    want = layer(x)
+    with pytest.raises(ValueError, match="init_cache"):
+        layer(x[:, :1], decode=True)
+    layer.init_cache(x.shape, x.dtype)
+    with pytest.raises(ValueError, match="self-attention"):
+        layer(x[:, :1], x[:, :1], decode=True)
+    got = jnp.concatenate([layer(x[:, chunk], decode=True) for chunk in _chunks(9, 4)], 1)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    assert int(layer.cache_index.get_value()) == 9

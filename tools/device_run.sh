@@ -1,7 +1,7 @@
 #!/bin/bash
 # One call on a GPU machine, from the repository root: build, test, sanitize,
 # time. Logs go to $OUT.
-#   JFLASH_CUDA_SUBSET=... STEPS="build smoke tests suite sanitize bench" bash tools/device_run.sh
+#   JFLASH_CUDA_SUBSET=... STEPS="build smoke tests suite sanitize decode bench" bash tools/device_run.sh
 # Optional variables: OUT, WORK_DIR, SITE_DIR, WHEEL_DIR (tools/env.sh), and
 #   STEPS              the steps below, in order (default: build tests sanitize bench)
 #   JFLASH_CUDA_SUBSET what the build step compiles (default: ci)
@@ -37,6 +37,15 @@ for step in $STEPS; do
     tests)
       timeout 300 python3 -P -m pytest -q -p no:cacheprovider tests/test_cuda_specific.py > "$OUT/test_cuda.log" 2>&1
       tail -25 "$OUT/test_cuda.log" ;;
+    decode)  # the decode kernel: its CUDA checks, the option grid, and compute-sanitizer
+      timeout 480 python3 -P -m pytest -q -p no:cacheprovider tests/test_decode_cuda.py \
+        tests/test_decode.py > "$OUT/test_decode.log" 2>&1
+      tail -25 "$OUT/test_decode.log"
+      for tool in memcheck racecheck; do
+        timeout 300 compute-sanitizer --tool $tool --kernel-name kns=flash_decode \
+          python3 -P tools/sanitizer_decode.py --head-dims 64 128 256 > "$OUT/sanitizer_decode_$tool.log" 2>&1
+        echo "decode $tool rc=$?"; tail -4 "$OUT/sanitizer_decode_$tool.log"
+      done ;;
     suite)  # every file of tests/ in four parallel pytest processes (~3 minutes on an H200
       # with the full build); without XLA's autotuning, whose tuning of the reference
       # computations' compiles made each test several times slower

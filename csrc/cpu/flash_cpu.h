@@ -17,4 +17,13 @@ void flash_fwd(const FwdParams& params, MaskKind mask);
 // is null. GQA gradients are summed into the kv head inside the kernel.
 void flash_bwd(const BwdParams& params, MaskKind mask);
 
+// out, lse <- decode attention over a KV cache (params.h, DecodeParams), after
+// writing k_new, v_new into the cache; with num_splits > 1 through
+// out_partial and lse_partial, combined by lse.
+void flash_decode(const DecodeParams& params);
+
+// Rows of one decode task (a kv head's query heads times the queries): the
+// num_splits heuristic's unit.
+int decode_row_block();
+
 }  // namespace jflash::cpu

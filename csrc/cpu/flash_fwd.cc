@@ -17,37 +17,6 @@
 namespace jflash::cpu {
 namespace {
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Online softmax over one key tile, per query lane (Algorithm 1, lines 8-10):
-//   m' = max(m, max_j s_t[j]),  rescale = exp(m - m'),
-//   p_t[j] = exp(s_t[j] - m'),  l' = rescale * l + sum_j p_t[j].
-// s_t [k_pad, q_pad] is overwritten by p_t; row_max/row_sum/row_rescale: [q_pad].
-template <class T>
-JFLASH_INLINE void softmax_update(float* s_t, int k_pad, int q_pad, float* row_max,
-                                  float* row_sum, float* row_rescale) {
-  using V = typename T::Vec;
-  for (int i = 0; i < q_pad; i += T::kLanes) {
-    V tile_max = splat<V>(kNegInf);
-    for (int j = 0; j < k_pad; ++j) tile_max = vmax(tile_max, load_vec<V>(s_t + j * q_pad + i));
-    const V max_old = load_vec<V>(row_max + i);
-    const V max_new = vmax(max_old, tile_max);
-    // A query that has seen no key yet has max -inf; subtract 0 instead, since
-    // -inf - -inf = NaN. Its probabilities are exp(-inf) = 0 either way.
-    const V max_safe = max_new == kNegInf ? V{} : max_new;
-    const V rescale = exp_vec<T>(max_old - max_safe);
-    V sum = V{};
-    for (int j = 0; j < k_pad; ++j) {
-      const V p = exp_vec<T>(load_vec<V>(s_t + j * q_pad + i) - max_safe);
-      store_vec(s_t + j * q_pad + i, p);
-      sum += p;
-    }
-    store_vec(row_max + i, max_new);
-    store_vec(row_sum + i, rescale * load_vec<V>(row_sum + i) + sum);
-    store_vec(row_rescale + i, rescale);
-  }
-}
-
 template <class T, class Mask>
 JFLASH_INLINE void fwd_block(const FwdParams& params, int64_t task) {
   constexpr int block_q = T::kFwdBlockQ;

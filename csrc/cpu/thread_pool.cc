@@ -124,6 +124,11 @@ void parallel_for(int64_t count, const std::function<void(int64_t)>& body) {
   Pool().ParallelFor(count, body);
 }
 
+int pool_threads() {
+  static const int threads = PoolThreads();
+  return threads;
+}
+
 float* thread_scratch(size_t floats) {
   constexpr size_t kAlignFloats = 64 / sizeof(float);
   thread_local std::vector<float> buffer;

@@ -23,6 +23,10 @@ namespace jflash::cpu {
 // not throw and must not call parallel_for itself.
 void parallel_for(int64_t count, const std::function<void(int64_t)>& body);
 
+// The pool's threads in all, the calling thread included (JFLASH_CPU_THREADS,
+// else the logical CPUs): what parallel_for spreads a job over.
+int pool_threads();
+
 // At least `floats` float32s of 64-byte aligned scratch private to the calling
 // thread, kept and reused across calls: the O(block) working memory of one task.
 // Contents are unspecified; the pointer is valid until this thread's next call.

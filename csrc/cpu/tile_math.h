@@ -287,6 +287,39 @@ JFLASH_INLINE void gemm(int rows, int cols, int depth, const float* a, int64_t a
   }
 }
 
+// ---- Online softmax ------------------------------------------------------------------
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Online softmax over one key tile, per query lane (Algorithm 1, lines 8-10):
+//   m' = max(m, max_j s_t[j]),  rescale = exp(m - m'),
+//   p_t[j] = exp(s_t[j] - m'),  l' = rescale * l + sum_j p_t[j].
+// s_t [k_pad, q_pad] is overwritten by p_t; row_max/row_sum/row_rescale: [q_pad].
+template <class T>
+JFLASH_INLINE void softmax_update(float* s_t, int k_pad, int q_pad, float* row_max,
+                                  float* row_sum, float* row_rescale) {
+  using V = typename T::Vec;
+  for (int i = 0; i < q_pad; i += T::kLanes) {
+    V tile_max = splat<V>(kNegInf);
+    for (int j = 0; j < k_pad; ++j) tile_max = vmax(tile_max, load_vec<V>(s_t + j * q_pad + i));
+    const V max_old = load_vec<V>(row_max + i);
+    const V max_new = vmax(max_old, tile_max);
+    // A query that has seen no key yet has max -inf; subtract 0 instead, since
+    // -inf - -inf = NaN. Its probabilities are exp(-inf) = 0 either way.
+    const V max_safe = max_new == kNegInf ? V{} : max_new;
+    const V rescale = exp_vec<T>(max_old - max_safe);
+    V sum = V{};
+    for (int j = 0; j < k_pad; ++j) {
+      const V p = exp_vec<T>(load_vec<V>(s_t + j * q_pad + i) - max_safe);
+      store_vec(s_t + j * q_pad + i, p);
+      sum += p;
+    }
+    store_vec(row_max + i, max_new);
+    store_vec(row_sum + i, rescale * load_vec<V>(row_sum + i) + sum);
+    store_vec(row_rescale + i, rescale);
+  }
+}
+
 // ---- Masking ----------------------------------------------------------------------
 
 // Whether the (query rows x keys) tile needs mask_tile: the policy does not
@@ -301,10 +334,13 @@ JFLASH_INLINE bool tile_needs_mask(const Mask& mask, int64_t q0, int q_rows, int
 // key's row range included), and for padding keys k_rows <= j < k_pad. t:
 // [k_pad, q_pad]. The forward sets masked scores to -inf before the softmax;
 // the backward sets P and dS to 0 after computing them, a select that a NaN
-// row (lse NaN, delta NaN) cannot turn into NaN.
+// row (lse NaN, delta NaN) cannot turn into NaN. rows_per_query > 1 (decode):
+// lane r holds query r / rows_per_query (a kv head's query heads times the
+// queries, query-major), and q0 counts lanes.
 template <class Mask>
 JFLASH_INLINE void mask_tile(const Mask& mask, int64_t seqlen_q, int64_t q0, int q_pad,
-                             int64_t k0, int k_rows, int k_pad, float value, float* t) {
+                             int64_t k0, int k_rows, int k_pad, float value, float* t,
+                             int rows_per_query = 1) {
   for (int j = 0; j < k_pad; ++j) {
     float* row = t + int64_t{j} * q_pad;
     int visible_begin = q_pad, visible_end = q_pad;  // padding key: nothing visible
@@ -312,8 +348,8 @@ JFLASH_INLINE void mask_tile(const Mask& mask, int64_t seqlen_q, int64_t q0, int
       // Queries [row_begin, row_end) see key k0 + j.
       const int64_t key = k0 + j;
       const IndexRange rows = mask.key_rows(key, seqlen_q);
-      const int64_t begin = rows.begin - q0;
-      const int64_t end = rows.end - q0;
+      const int64_t begin = rows.begin * rows_per_query - q0;
+      const int64_t end = rows.end * rows_per_query - q0;
       visible_begin = static_cast<int>(begin < 0 ? 0 : (begin > q_pad ? q_pad : begin));
       visible_end = static_cast<int>(end < visible_begin ? visible_begin : (end > q_pad ? q_pad : end));
     }

@@ -11,7 +11,8 @@
 #                          (flash_*_segments) of head dims 64, 128, 256 included;
 #                     ci   bfloat16, head dim 128, the full and band masks, both directions:
 #                          4 files, the 2 of the 99 KB backward, the 4 Hopper files (no
-#                          segment-id kernels: "segments" selects those);
+#                          segment-id kernels: "segments" selects those), and the
+#                          bfloat16 decode kernel of head dim 128;
 #                     otherwise a comma (or semicolon) list of name fragments, and an
 #                     instantiation is compiled when its file name contains one
 #                     (e.g. "bf16_hdim64,fp16_hdim128_full").
@@ -53,7 +54,7 @@ file(GLOB _all_instantiations CONFIGURE_DEPENDS "${CMAKE_CURRENT_LIST_DIR}/insta
 if(JFLASH_CUDA_SUBSET STREQUAL "all")
   set(_fragments "flash_")
 elseif(JFLASH_CUDA_SUBSET STREQUAL "ci")
-  set(_fragments "bf16_hdim128_full;bf16_hdim128_band")
+  set(_fragments "bf16_hdim128_full;bf16_hdim128_band;decode_bf16_hdim128")
 else()
   string(REPLACE "," ";" _fragments "${JFLASH_CUDA_SUBSET}")
 endif()
@@ -93,12 +94,14 @@ set(_group_dir "${CMAKE_CURRENT_BINARY_DIR}/jflash_kernels")
 set(_groups "")
 foreach(_file IN LISTS _instantiations)
   get_filename_component(_name "${_file}" NAME)
-  if(NOT _name MATCHES "^flash_(fwd|bwd)(_small|_sm90)?_(fp16|bf16)_hdim([0-9]+)_(full|band|segments)\\.cu$")
+  if(_name MATCHES "^flash_decode_(fp16|bf16)_hdim([0-9]+)\\.cu$")
+    # The decode kernels: a group of their own per head dim (sm80 code).
+    set(_group "flash_decode_hdim${CMAKE_MATCH_2}")
+  elseif(NOT _name MATCHES "^flash_(fwd|bwd)(_small|_sm90)?_(fp16|bf16)_hdim([0-9]+)_(full|band|segments)\\.cu$")
     message(FATAL_ERROR "jflash: ${_name} is not named like csrc/cuda/generate_kernels.py's files")
-  endif()
   # The 99 KB column joins its direction's sm80 group; the Hopper kernels stay
   # apart, for their own arch.
-  if(CMAKE_MATCH_2 STREQUAL "_sm90")
+  elseif(CMAKE_MATCH_2 STREQUAL "_sm90")
     set(_group "flash_${CMAKE_MATCH_1}_sm90_hdim${CMAKE_MATCH_4}")
   else()
     set(_group "flash_${CMAKE_MATCH_1}_hdim${CMAKE_MATCH_4}")

@@ -198,39 +198,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       cp_async_fence();
     }
 
-    // Online softmax (rows live in one quad of lanes).
-    float correction[kRows];
-    bool max_changed = false;
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      float m = row_max[r];
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
-      m = quad_allreduce(m, MaxOp{});
-      // A row with no visible key yet keeps m = -inf; subtract 0 instead so
-      // that exp2(-inf - -inf) never makes a NaN.
-      const float m_safe = m == -INFINITY ? 0.f : m;
-      correction[r] = m == row_max[r] ? 1.f : fast_exp2(row_max[r] - m_safe);
-      max_changed |= m != row_max[r];
-      row_max[r] = m;
-      float sum = 0.f;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) {
-        s(r, c) = fast_exp2(s(r, c) - m_safe);
-        sum += s(r, c);
-      }
-      row_sum[r] = row_sum[r] * correction[r] + sum;
-    }
-    // O *= correction costs head_dim multiplies per row; skip it when no row of
-    // the warp raised its max (exact: the correction is then 1). Past the first
-    // few key tiles of a long row, most tiles raise no max.
-    if (__any_sync(0xffffffff, max_changed)) {
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= correction[r];
-      }
-    }
+    // Online softmax (rows live in one quad of lanes), O rescaled.
+    online_softmax(s, o_rc, row_max, row_sum);
 
     // O += P V   (P converted in registers to the A-operand layout)
     Tensor p = convert_fragment<Element>(acc_s);

@@ -1,6 +1,7 @@
 """Writes one small .cu file per kernel instantiation into csrc/cuda/instantiations/.
 
-One file per (direction, dtype, head dim, mask) lets JFLASH_CUDA_SUBSET
+One file per (direction, dtype, head dim, mask), and per (dtype, head dim) of
+the decode kernels, lets JFLASH_CUDA_SUBSET
 (csrc/cuda/cuda.cmake) compile only some of them; cuda.cmake then compiles the
 chosen files of one (direction, head dim) as one translation unit (the
 instantiations share most of nvcc's work: docs/cuda_kernels.md, "Build
@@ -27,6 +28,15 @@ def _head_dims(name: str) -> tuple[int, ...]:
 
 
 HEAD_DIMS = _head_dims("kKernelHeadDims")
+# The decode kernels (flash_decode_sm80.h): one file per (dtype, head dim), no
+# mask kind (each sequence's band is computed in the kernel).
+DECODE_HEAD_DIMS = _head_dims("kDecodeHeadDims")
+DECODE_REGISTRATION = (
+    "register_decode_kernel(DType::{dtype_enum}, {head_dim},\n"
+    "    DecodeKernel{{&run_flash_decode<{element}, {head_dim}>,\n"
+    "                 &decode_smem_bytes_sm80<{element}, {head_dim}>,\n"
+    "                 &decode_num_splits_sm80<{element}, {head_dim}>}})"
+)
 # The segment-id kernels (SegmentMask) exist for these head dims only (build
 # time); jflash pads the head dims of calls with segment ids up to them.
 SEGMENT_HEAD_DIMS = _head_dims("kSegmentHeadDims")
@@ -121,10 +131,26 @@ def instantiation_name(direction: str, dtype: str, head_dim: int, mask: str) -> 
     return f"flash_{direction}_{dtype}_hdim{head_dim}_{mask}"
 
 
+def _write(out_dir: pathlib.Path, stem: str, header: str, registration: str) -> str:
+    """Writes one instantiation file (only when its text changes); its name."""
+    text = TEMPLATE.format(header=header, name=stem.removeprefix("flash_"),
+                           registration=registration)
+    path = out_dir / (stem + ".cu")
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return path.name
+
+
 def main() -> None:
     out_dir = pathlib.Path(__file__).resolve().parent / "instantiations"
     out_dir.mkdir(exist_ok=True)
     wanted = set()
+    for dtype, (element, dtype_enum) in DTYPES.items():
+        for head_dim in DECODE_HEAD_DIMS:
+            registration = DECODE_REGISTRATION.format(element=element, dtype_enum=dtype_enum,
+                                                      head_dim=head_dim)
+            wanted.add(_write(out_dir, f"flash_decode_{dtype}_hdim{head_dim}",
+                              "cuda/flash_decode_sm80.h", registration))
     for direction, (header, registration, head_dims) in DIRECTIONS.items():
         for dtype, (element, dtype_enum) in DTYPES.items():
             for head_dim in head_dims:
@@ -133,18 +159,9 @@ def main() -> None:
                                                or head_dim not in SEGMENT_HEAD_DIMS):
                         continue
                     stem = instantiation_name(direction, dtype, head_dim, mask)
-                    name = stem + ".cu"
-                    wanted.add(name)
-                    text = TEMPLATE.format(
-                        header=header,
-                        name=stem.removeprefix("flash_"),
-                        registration=registration.format(
-                            element=element, dtype_enum=dtype_enum, head_dim=head_dim,
-                            mask_policy=mask_policy, mask_kind=mask_kind),
-                    )
-                    path = out_dir / name
-                    if not path.exists() or path.read_text() != text:
-                        path.write_text(text)
+                    wanted.add(_write(out_dir, stem, header, registration.format(
+                        element=element, dtype_enum=dtype_enum, head_dim=head_dim,
+                        mask_policy=mask_policy, mask_kind=mask_kind)))
     for stale in out_dir.glob("*.cu"):
         if stale.name not in wanted:
             stale.unlink()

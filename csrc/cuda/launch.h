@@ -25,6 +25,9 @@ struct LaunchContext {
   // JFLASH_CUDA_BWD_HEAD_SPLITS (0: the launcher's choice): the Hopper
   // backward's GQA head split (tile_scheduler_sm90.h), forced for measurements.
   int bwd_head_splits = 0;
+  // Dynamic shared memory a block may use (the decode launcher sizes its
+  // K/V ring to it); 0 where the launcher does not need it.
+  int smem_limit = 0;
 };
 
 using FwdLauncher = cudaError_t (*)(const FwdParams&, const LaunchContext&);
@@ -43,6 +46,20 @@ struct BwdKernel {
   // Whether this kernel takes a given call (nullptr: every call), as for FwdKernel.
   bool (*accepts)(const BwdParams&) = nullptr;
 };
+
+// The decode kernels (flash_decode_sm80.h), one per (dtype, head dim of
+// kDecodeHeadDims). rows: a kv head's query heads times the queries.
+using DecodeLauncher = cudaError_t (*)(const DecodeParams&, const LaunchContext&);
+struct DecodeKernel {
+  DecodeLauncher launch = nullptr;
+  // Dynamic shared memory the kernel for `rows` takes under ctx.smem_limit
+  // (its shallowest ring where nothing fits: the handler reports it).
+  int (*smem_bytes)(int rows, const LaunchContext& ctx) = nullptr;
+  // The split heuristic (jflash/decode.h) with this kernel's occupancy.
+  int (*num_splits)(int64_t batch, int64_t num_heads_kv, int rows, int64_t capacity,
+                    const LaunchContext& ctx) = nullptr;
+};
+DecodeKernel& decode_kernel_slot(DType dtype, int head_dim);
 
 // Registry slots; head_dim is one of kKernelHeadDims (jflash/head_dims.h). Return nullptr-launch
 // entries for instantiations that were not compiled. SmemClass::kSmall slots
@@ -195,6 +212,11 @@ inline bool register_sm90_fwd_kernel(DType dtype, int head_dim, MaskKind mask, F
 
 inline bool register_sm90_bwd_kernel(DType dtype, int head_dim, MaskKind mask, BwdKernel kernel) {
   sm90_bwd_kernel_slot(dtype, head_dim, mask) = kernel;
+  return true;
+}
+
+inline bool register_decode_kernel(DType dtype, int head_dim, DecodeKernel kernel) {
+  decode_kernel_slot(dtype, head_dim) = kernel;
   return true;
 }
 

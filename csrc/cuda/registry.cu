@@ -43,4 +43,10 @@ BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, SmemClass s
   return (smem == SmemClass::kSmall ? small : large)[slot_index(dtype, head_dim, mask)];
 }
 
+DecodeKernel& decode_kernel_slot(DType dtype, int head_dim) {
+  static DecodeKernel table[2 * kNumKernelHeadDims];
+  const int dtype_index = dtype == DType::kBFloat16 ? 1 : 0;
+  return table[dtype_index * kNumKernelHeadDims + kernel_head_dim_index(head_dim)];
+}
+
 }  // namespace jflash::cuda

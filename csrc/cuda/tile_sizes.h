@@ -272,6 +272,41 @@ constexpr Sm90BwdTile sm90_bwd_tile(int head_dim) {
   }
 }
 
+// Decode (flash_decode_sm80.h): 4 warps per CTA, whose rows are a kv head's
+// query heads times the queries; key tiles of block_n keys (K and V) stream
+// through a ring of shared-memory stages with cp.async. Bandwidth decides:
+// each K and V byte is read once and takes two MMAs, so the ring only has to
+// keep enough bytes in flight to cover HBM's latency (an SM needs ~20-40 KB in
+// flight at 3-5 TB/s and ~1 us). A stage is 2 * block_n * head_dim * 2 bytes
+// (16 / 32 / 64 KB); the preferred depth keeps a CTA near 100-130 KB, two CTAs
+// per SM on sm90 (227 KB) and one on sm80 (163 KB), with 2 or more tiles in
+// flight per CTA. The launcher lowers the depth where the device allows less
+// shared memory per block (1 stage always fits 99 KB). Chosen by this
+// arithmetic; not yet tuned by measurement.
+struct DecodeTile {
+  int block_n;  // keys per tile, split among the warps that share a row block
+  int stages;   // preferred depth of the K/V ring
+};
+
+constexpr DecodeTile decode_tile(int head_dim) {
+  switch (head_dim) {
+    case 64: return {64, 6};
+    case 128: return {64, 3};
+    case 256: return {64, 2};
+    default: return {0, 0};
+  }
+}
+
+// Deepest ring any entry asks for (the kernel's cp.async wait takes its depth
+// as an immediate, so it branches over 0 .. kMaxDecodeStages - 2).
+constexpr int kMaxDecodeStages = 6;
+
+// smem = (block_m + stages * 2 * block_n) * head_dim * 2 bytes: the query rows,
+// then the ring; the epilogue reuses it all for the warps' float32 outputs.
+constexpr int decode_smem_bytes(int head_dim, int block_m, int stages) {
+  return (block_m + stages * 2 * decode_tile(head_dim).block_n) * head_dim * 2;
+}
+
 // Segment ids are summarized per kSegmentBlock rows and keys (jflash/mask.h):
 // the block divides the rows and keys of every tile above of the head dims
 // with segment kernels, so that a tile's summary is exactly that of its blocks.

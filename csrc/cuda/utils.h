@@ -127,6 +127,47 @@ struct SumOp {
   __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
 };
 
+// The online softmax of one tile (FlashAttention-2, Algorithm 1), for the
+// rows this thread holds (a row lives in one quad of lanes): s (rows, cols),
+// log2-domain scores, becomes exp2(s - m') with m' the new row max; row_max
+// and row_sum advance; O (o_rc, rows, cols) is rescaled by exp2(m - m').
+template <int kRows, typename TensorS, typename TensorO>
+__device__ __forceinline__ void online_softmax(TensorS& s, TensorO& o_rc, float (&row_max)[kRows],
+                                               float (&row_sum)[kRows]) {
+  float correction[kRows];
+  bool max_changed = false;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    float m = row_max[r];
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
+    m = quad_allreduce(m, MaxOp{});
+    // A row with no visible key yet keeps m = -inf; subtract 0 instead so
+    // that exp2(-inf - -inf) never makes a NaN.
+    const float m_safe = m == -INFINITY ? 0.f : m;
+    correction[r] = m == row_max[r] ? 1.f : fast_exp2(row_max[r] - m_safe);
+    max_changed |= m != row_max[r];
+    row_max[r] = m;
+    float sum = 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) {
+      s(r, c) = fast_exp2(s(r, c) - m_safe);
+      sum += s(r, c);
+    }
+    row_sum[r] = row_sum[r] * correction[r] + sum;
+  }
+  // O *= correction costs head_dim multiplies per row; skip it when no row of
+  // the warp raised its max (exact: the correction is then 1). Past the first
+  // few key tiles of a long row, most tiles raise no max.
+  if (__any_sync(0xffffffff, max_changed)) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= correction[r];
+    }
+  }
+}
+
 // Copies the rows of a (rows x head_dim) global tile that lie below row_limit
 // into shared memory with cp.async, and zero-fills the others: rows past the
 // sequence end then contribute exactly 0 to every product.

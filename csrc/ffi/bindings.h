@@ -1,4 +1,5 @@
-// The ABI of jflash_fwd_v2 and jflash_bwd_v4, written once: arguments, results
+// The ABI of jflash_fwd_v2, jflash_bwd_v4, jflash_decode_v1 and
+// jflash_decode_append_v1, written once: arguments, results
 // and attributes in the order jflash/_src/kernel_calls.py passes them. Each
 // platform passes in Ffi::Bind() with its own context (the CUDA stream) already
 // bound, so the two platforms cannot drift apart. Changing this list changes
@@ -57,6 +58,56 @@ auto BindBwd(Binding binding) {
       .template Attr<float>("softmax_scale")
       .template Attr<int64_t>("diag_lo")
       .template Attr<int64_t>("diag_hi");
+}
+
+// The decode call's attributes (jflash/_src/decode.py): window sides -1 for
+// unbounded (causal is window_right 0), softcap 0 for none, num_splits >= 1.
+template <typename Binding>
+auto BindDecodeAttrs(Binding binding) {
+  return std::move(binding).template Attr<float>("softmax_scale")
+      .template Attr<float>("softcap")
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right")
+      .template Attr<int64_t>("num_splits");
+}
+
+// jflash_decode_v1: attention over a cache, no append (so no cache result,
+// which XLA would have to copy the cache into).
+template <typename Binding>
+auto BindDecode(Binding binding) {
+  return BindDecodeAttrs(
+      std::move(binding).template Arg<ffi::AnyBuffer>()  // q [batch, seqlen_q, num_heads, head_dim]
+          .template Arg<ffi::AnyBuffer>()  // k_cache [batch, capacity, num_heads_kv, head_dim] or
+                                           //         [num_blocks, block_size, num_heads_kv, head_dim]
+          .template Arg<ffi::AnyBuffer>()  // v_cache like k_cache
+          .template Arg<ffi::AnyBuffer>()  // cache_seqlens [batch] int32
+          .template Arg<ffi::AnyBuffer>()  // block_table [batch, max_blocks_per_seq] int32, or empty
+          .template Ret<ffi::AnyBuffer>()  // out like q
+          .template Ret<ffi::AnyBuffer>()  // lse [batch, num_heads, seqlen_q] float32
+          .template Ret<ffi::AnyBuffer>()  // out_partial [num_splits, batch, num_heads, seqlen_q, head_dim]
+                                           // float32 scratch, empty when num_splits is 1
+          .template Ret<ffi::AnyBuffer>());  // lse_partial [num_splits, batch, num_heads, seqlen_q]
+}
+
+// jflash_decode_append_v1: k_new and v_new are written into the cache at
+// cache_seqlens; the cache results alias k_cache and v_cache
+// (input_output_aliases), so that with donated buffers nothing is copied.
+template <typename Binding>
+auto BindDecodeAppend(Binding binding) {
+  return BindDecodeAttrs(
+      std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+          .template Arg<ffi::AnyBuffer>()  // k_cache
+          .template Arg<ffi::AnyBuffer>()  // v_cache
+          .template Arg<ffi::AnyBuffer>()  // k_new [batch, seqlen_new, num_heads_kv, head_dim]
+          .template Arg<ffi::AnyBuffer>()  // v_new like k_new
+          .template Arg<ffi::AnyBuffer>()  // cache_seqlens
+          .template Arg<ffi::AnyBuffer>()  // block_table
+          .template Ret<ffi::AnyBuffer>()  // out
+          .template Ret<ffi::AnyBuffer>()  // lse
+          .template Ret<ffi::AnyBuffer>()  // k_cache with the new rows (aliases k_cache)
+          .template Ret<ffi::AnyBuffer>()  // v_cache with the new rows (aliases v_cache)
+          .template Ret<ffi::AnyBuffer>()  // out_partial
+          .template Ret<ffi::AnyBuffer>());  // lse_partial
 }
 
 }  // namespace jflash::ffi_glue

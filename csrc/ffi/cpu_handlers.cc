@@ -1,10 +1,13 @@
-// XLA FFI handlers for platform "cpu": jflash_fwd_v2 and jflash_bwd_v4.
+// XLA FFI handlers for platform "cpu": jflash_fwd_v2, jflash_bwd_v4,
+// jflash_decode_v1 and jflash_decode_append_v1.
 //
 // The CUDA handlers (csrc/ffi/cuda_handlers.cu) bind the same arguments in the
 // same order under the same target names, so one jax.ffi.ffi_call lowers for
 // either platform.
 #include "cpu/flash_cpu.h"
+#include "cpu/thread_pool.h"
 #include "ffi/bindings.h"
+#include "ffi/decode_params_from_ffi.h"
 #include "ffi/params_from_ffi.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -55,16 +58,70 @@ ffi::Error BwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
   return ffi::Error::Success();
 }
 
+ffi::Error DecodeCpu(const ffi_glue::DecodeBuffers& buffers, const ffi_glue::DecodeAttrs& attrs) {
+  DecodeParams params;
+  if (auto err = ffi_glue::FillDecodeParams(buffers, attrs, &params); err.failure()) return err;
+  cpu::flash_decode(params);
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeNoAppendCpu(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                             ffi::AnyBuffer cache_seqlens, ffi::AnyBuffer block_table,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                             ffi::Result<ffi::AnyBuffer> out_partial,
+                             ffi::Result<ffi::AnyBuffer> lse_partial, float softmax_scale,
+                             float softcap, int64_t window_left, int64_t window_right,
+                             int64_t num_splits) {
+  return DecodeCpu({q, k_cache, v_cache, nullptr, nullptr, cache_seqlens, block_table, *out, *lse,
+                    nullptr, nullptr, *out_partial, *lse_partial},
+                   {softmax_scale, softcap, window_left, window_right, num_splits});
+}
+
+ffi::Error DecodeAppendCpu(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                           ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::AnyBuffer cache_seqlens,
+                           ffi::AnyBuffer block_table, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> k_cache_out,
+                           ffi::Result<ffi::AnyBuffer> v_cache_out,
+                           ffi::Result<ffi::AnyBuffer> out_partial,
+                           ffi::Result<ffi::AnyBuffer> lse_partial, float softmax_scale,
+                           float softcap, int64_t window_left, int64_t window_right,
+                           int64_t num_splits) {
+  return DecodeCpu({q, k_cache, v_cache, &k_new, &v_new, cache_seqlens, block_table, *out, *lse,
+                    &*k_cache_out, &*v_cache_out, *out_partial, *lse_partial},
+                   {softmax_scale, softcap, window_left, window_right, num_splits});
+}
+
 }  // namespace
 }  // namespace jflash
 
-// The library is built with hidden visibility; export the two handler symbols
+// The decode heuristic's split count on this CPU (jflash/_src/ffi.py), for a
+// call of `batch` sequences, num_heads_kv kv heads, rows (query heads per kv
+// head times queries) and caches of `capacity` keys: the pool's threads are
+// the slots (jflash/decode.h).
+extern "C" __attribute__((visibility("default"))) int jflash_cpu_decode_num_splits(
+    int64_t batch, int64_t num_heads_kv, int64_t rows, int64_t capacity) {
+  const int64_t row_blocks = (rows + jflash::cpu::decode_row_block() - 1) /
+                             jflash::cpu::decode_row_block();
+  return jflash::decode_num_splits(batch * num_heads_kv * row_blocks,
+                                   jflash::cpu::pool_threads(), capacity);
+}
+
+// The library is built with hidden visibility; export the handler symbols
 // that jflash/_src/ffi.py looks up.
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JflashFwdCpu(XLA_FFI_CallFrame*);
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JflashBwdCpu(XLA_FFI_CallFrame*);
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JflashDecodeCpu(XLA_FFI_CallFrame*);
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JflashDecodeAppendCpu(
+    XLA_FFI_CallFrame*);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JflashFwdCpu, jflash::FwdCpu,
                               jflash::ffi_glue::BindFwd(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JflashBwdCpu, jflash::BwdCpu,
                               jflash::ffi_glue::BindBwd(ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JflashDecodeCpu, jflash::DecodeNoAppendCpu,
+                              jflash::ffi_glue::BindDecode(ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JflashDecodeAppendCpu, jflash::DecodeAppendCpu,
+                              jflash::ffi_glue::BindDecodeAppend(ffi::Ffi::Bind()));

@@ -1,4 +1,5 @@
-// XLA FFI handlers for platform "CUDA": JflashFwdCuda and JflashBwdCuda.
+// XLA FFI handlers for platform "CUDA": JflashFwdCuda, JflashBwdCuda,
+// JflashDecodeCuda and JflashDecodeAppendCuda.
 //
 // They bind the same arguments, results and attributes in the same order as
 // the CPU handlers (cpu_handlers.cc), plus the XLA stream. Everything they do
@@ -15,6 +16,7 @@
 
 #include "cuda/launch.h"
 #include "ffi/bindings.h"
+#include "ffi/decode_params_from_ffi.h"
 #include "ffi/params_from_ffi.h"
 #include "jflash/head_dims.h"
 #include "xla/ffi/api/ffi.h"
@@ -341,6 +343,96 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   return ffi::Error::Success();
 }
 
+bool DecodeHeadDim(int head_dim) {
+  for (int d : kDecodeHeadDims) {
+    if (d == head_dim) return true;
+  }
+  return false;
+}
+
+// The decode kernel of a call's dtype and head dim; launch == nullptr when
+// none is built.
+cuda::DecodeKernel SelectDecode(DType dtype, int head_dim) {
+  if (dtype == DType::kFloat32 || !DecodeHeadDim(head_dim)) return {};
+  return cuda::decode_kernel_slot(dtype, head_dim);
+}
+
+ffi::Error DecodeCuda(cudaStream_t stream, const ffi_glue::DecodeBuffers& buffers,
+                      const ffi_glue::DecodeAttrs& attrs) {
+  DecodeParams params;
+  if (auto err = ffi_glue::FillDecodeParams(buffers, attrs, &params); err.failure()) return err;
+  if (params.batch == 0 || params.num_heads == 0) return ffi::Error::Success();
+  auto info = current_device_info();
+  if (info.has_error()) return info.error();
+  if (auto err = CheckSettings(); err.failure()) return err;
+  if (params.dtype == DType::kFloat32) {
+    return ffi::Error::InvalidArgument(
+        "jflash decode: the CUDA kernel takes float16 or bfloat16; jflash attends over a "
+        "bfloat16 copy of a float32 cache before the call (jflash/_src/decode.py)");
+  }
+  if (!DecodeHeadDim(params.head_dim)) {
+    return ffi::Error::InvalidArgument("jflash decode: the CUDA kernel needs head_dim 64, 128 or "
+                                       "256 (got " + std::to_string(params.head_dim) +
+                                       "); jflash pads head_dim before the call");
+  }
+  const cuda::DecodeKernel kernel = SelectDecode(params.dtype, params.head_dim);
+  if (kernel.launch == nullptr) {
+    return ffi::Error::InvalidArgument(
+        std::string("jflash: this build has no CUDA decode kernel for ") +
+        DTypeName(params.dtype) + ", head_dim " + std::to_string(params.head_dim) +
+        ": it was built with JFLASH_CUDA_SUBSET=" JFLASH_CUDA_SUBSET
+        "; rebuild with JFLASH_CUDA_SUBSET=all");
+  }
+  const cuda::LaunchContext ctx{stream, (*info)->sm_count, 0, smem_limit(**info)};
+  const int rows = decode_rows(params);
+  if (const int smem = kernel.smem_bytes(rows, ctx); smem > ctx.smem_limit) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "jflash: the CUDA decode kernel for head_dim " +
+                          std::to_string(params.head_dim) + " needs " + std::to_string(smem) +
+                          " bytes of shared memory per block; this GPU allows " +
+                          std::to_string(ctx.smem_limit));
+  }
+  // One CTA per (sequence, kv head, split, 16 rows at most): gridDim.x.
+  if (int64_t{params.batch} * params.num_heads_kv * params.num_splits * rows > INT32_MAX) {
+    return ffi::Error::InvalidArgument("jflash decode: batch * num_heads * seqlen_q * num_splits "
+                                       "must be below 2^31");
+  }
+  if (cudaError_t err = kernel.launch(params, ctx); err != cudaSuccess) {
+    return LaunchError(err, **info, "decode");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeNoAppendCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                              ffi::AnyBuffer v_cache, ffi::AnyBuffer cache_seqlens,
+                              ffi::AnyBuffer block_table, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::AnyBuffer> lse,
+                              ffi::Result<ffi::AnyBuffer> out_partial,
+                              ffi::Result<ffi::AnyBuffer> lse_partial, float softmax_scale,
+                              float softcap, int64_t window_left, int64_t window_right,
+                              int64_t num_splits) {
+  return DecodeCuda(stream,
+                    {q, k_cache, v_cache, nullptr, nullptr, cache_seqlens, block_table, *out, *lse,
+                     nullptr, nullptr, *out_partial, *lse_partial},
+                    {softmax_scale, softcap, window_left, window_right, num_splits});
+}
+
+ffi::Error DecodeAppendCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                            ffi::AnyBuffer v_cache, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
+                            ffi::AnyBuffer cache_seqlens, ffi::AnyBuffer block_table,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                            ffi::Result<ffi::AnyBuffer> k_cache_out,
+                            ffi::Result<ffi::AnyBuffer> v_cache_out,
+                            ffi::Result<ffi::AnyBuffer> out_partial,
+                            ffi::Result<ffi::AnyBuffer> lse_partial, float softmax_scale,
+                            float softcap, int64_t window_left, int64_t window_right,
+                            int64_t num_splits) {
+  return DecodeCuda(stream,
+                    {q, k_cache, v_cache, &k_new, &v_new, cache_seqlens, block_table, *out, *lse,
+                     &*k_cache_out, &*v_cache_out, *out_partial, *lse_partial},
+                    {softmax_scale, softcap, window_left, window_right, num_splits});
+}
+
 // The device for the library's queries below: nullptr when there is no usable
 // device or a setting is invalid (the queries then answer -1).
 const DeviceInfo* QueryDevice() {
@@ -408,10 +500,29 @@ extern "C" __attribute__((visibility("default"))) int jflash_cuda_kernel_smem_by
   return kernel.launch == nullptr ? 0 : kernel.smem_bytes;
 }
 
-// The library is built with hidden visibility; export the two handler symbols
+// The decode kernel's split heuristic on the current device
+// (jflash/_src/ffi.py: decode_num_splits; jflash/decode.h): dtype 0 float16,
+// 1 bfloat16; rows: query heads per kv head times queries; capacity: keys per
+// sequence. -1 where there is no usable device or no kernel for the call.
+extern "C" __attribute__((visibility("default"))) int jflash_cuda_decode_num_splits(
+    int dtype, int head_dim, int64_t batch, int64_t num_heads_kv, int64_t rows,
+    int64_t capacity) {
+  const jflash::DeviceInfo* info = jflash::QueryDevice();
+  if (info == nullptr || rows < 1 || rows > INT32_MAX) return -1;
+  const auto kernel = jflash::SelectDecode(static_cast<jflash::DType>(dtype), head_dim);
+  if (kernel.launch == nullptr) return -1;
+  const jflash::cuda::LaunchContext ctx{nullptr, info->sm_count, 0, jflash::smem_limit(*info)};
+  return kernel.num_splits(batch, num_heads_kv, static_cast<int>(rows), capacity, ctx);
+}
+
+// The library is built with hidden visibility; export the handler symbols
 // that jflash/_src/ffi.py looks up.
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JflashFwdCuda(XLA_FFI_CallFrame*);
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JflashBwdCuda(XLA_FFI_CallFrame*);
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JflashDecodeCuda(
+    XLA_FFI_CallFrame*);
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JflashDecodeAppendCuda(
+    XLA_FFI_CallFrame*);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JflashFwdCuda, jflash::FwdCuda,
                               jflash::ffi_glue::BindFwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
@@ -419,4 +530,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JflashFwdCuda, jflash::FwdCuda,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JflashBwdCuda, jflash::BwdCuda,
                               jflash::ffi_glue::BindBwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JflashDecodeCuda, jflash::DecodeNoAppendCuda,
+                              jflash::ffi_glue::BindDecode(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JflashDecodeAppendCuda, jflash::DecodeAppendCuda,
+                              jflash::ffi_glue::BindDecodeAppend(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -34,3 +34,11 @@ JFLASH_EXPORT int jflash_segment_head_dims(int* out, int capacity) {
   return jflash::kNumSegmentHeadDims;
 }
 JFLASH_EXPORT int jflash_segment_block() { return jflash::kSegmentBlock; }
+
+// The decode kernels' head dims (jflash/head_dims.h), for Python.
+JFLASH_EXPORT int jflash_decode_head_dims(int* out, int capacity) {
+  for (int i = 0; i < jflash::kNumDecodeHeadDims && i < capacity; ++i) {
+    out[i] = jflash::kDecodeHeadDims[i];
+  }
+  return jflash::kNumDecodeHeadDims;
+}

@@ -19,6 +19,10 @@ from jflash._src import masks
 
 FWD_TARGET = "jflash_fwd_v2"
 BWD_TARGET = "jflash_bwd_v4"
+# Decode over a KV cache (jflash.flash_attention_with_kvcache): without and
+# with an append (the latter aliases the caches to two of its results).
+DECODE_TARGET = "jflash_decode_v1"
+DECODE_APPEND_TARGET = "jflash_decode_append_v1"
 
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent
 _CPU_LIBRARY = "libjflash_cpu.so"
@@ -65,7 +69,9 @@ def _load(name: str) -> ctypes.CDLL | None:
 
 
 def _register(lib: ctypes.CDLL, platform: str, suffix: str) -> None:
-    for target, symbol in ((FWD_TARGET, "JflashFwd"), (BWD_TARGET, "JflashBwd")):
+    for target, symbol in ((FWD_TARGET, "JflashFwd"), (BWD_TARGET, "JflashBwd"),
+                           (DECODE_TARGET, "JflashDecode"),
+                           (DECODE_APPEND_TARGET, "JflashDecodeAppend")):
         jax.ffi.register_ffi_target(
             target, jax.ffi.pycapsule(getattr(lib, symbol + suffix)), platform=platform
         )
@@ -118,6 +124,14 @@ def _read_list(function) -> tuple[int, ...]:
 KERNEL_HEAD_DIMS = _read_list(_cpu_lib.jflash_kernel_head_dims)
 SEGMENT_HEAD_DIMS = _read_list(_cpu_lib.jflash_segment_head_dims)
 SEGMENT_BLOCK = int(_cpu_lib.jflash_segment_block())
+# The head dims of the decode kernels (the same header).
+DECODE_HEAD_DIMS = _read_list(_cpu_lib.jflash_decode_head_dims)
+
+_DECODE_SPLITS_ARGS = [ctypes.c_int64] * 4  # batch, num_heads_kv, rows, capacity
+_cpu_lib.jflash_cpu_decode_num_splits.argtypes = _DECODE_SPLITS_ARGS
+if _cuda_lib is not None:
+    _cuda_lib.jflash_cuda_decode_num_splits.argtypes = [ctypes.c_int, ctypes.c_int,
+                                                        *_DECODE_SPLITS_ARGS]
 
 
 def _cuda_dtype_code(dtype) -> int | None:
@@ -177,3 +191,20 @@ def cuda_kernel_smem_bytes(direction: str, dtype, head_dim: int, banded: bool,
             0 if direction == "fwd" else 1, code, int(head_dim), masks.mask_kind(banded, segments)
         )
     )
+
+
+def decode_num_splits(on_cpu: bool, dtype, head_dim: int, batch: int, num_heads_kv: int,
+                      rows: int, capacity: int) -> int:
+    """The decode kernels' split count for a call (csrc/include/jflash/decode.h):
+    on CPU from the thread pool's size, on GPU from the current device's SMs and
+    the kernel's occupancy. rows: query heads per kv head times queries;
+    capacity: keys a cache holds. 1 where the GPU answer is unavailable (no
+    usable device, or no kernel for the dtype)."""
+    args = (int(batch), int(num_heads_kv), int(rows), int(capacity))
+    if on_cpu:
+        return int(_cpu_lib.jflash_cpu_decode_num_splits(*args))
+    code = _cuda_dtype_code(dtype)
+    if code is None:
+        return 1
+    splits = int(_cuda_lib.jflash_cuda_decode_num_splits(code, int(head_dim), *args))
+    return splits if splits >= 1 else 1

@@ -166,22 +166,143 @@ def check_segment_ids(q_segment_ids, kv_segment_ids, q_shape, k_shape):
         other = "kv_segment_ids" if missing[0] == "q_segment_ids" else "q_segment_ids"
         raise ValueError(f"{other} is given but {missing[0]} is None; pass both segment ids "
                          "or neither")
-    for name, x, expected, dims in (
-        ("q_segment_ids", q_segment_ids, (q_shape[0], q_shape[1]), "[batch, seq_q] of query"),
-        ("kv_segment_ids", kv_segment_ids, (k_shape[0], k_shape[1]), "[batch, seq_k] of key"),
-    ):
-        shape, dtype = _shape_dtype(name, x)
-        if not jnp.issubdtype(dtype, jnp.integer):
-            raise TypeError(f"{name} must be an integer array (int32 ids), got dtype {dtype}")
-        if jnp.dtype(jax.dtypes.canonicalize_dtype(dtype)) not in _SEGMENT_ID_DTYPES:
-            raise TypeError(f"{name} has dtype {dtype}; segment ids are int32 (or a narrower "
-                            "integer type): cast them with .astype(jnp.int32)")
-        if shape != expected:
-            raise ValueError(f"{name} must have shape {dims}, {expected}, got shape {shape}")
-    return tuple(jnp.asarray(x).astype(jnp.int32) for x in (q_segment_ids, kv_segment_ids))
+    return (
+        _int32_array("q_segment_ids", q_segment_ids, (q_shape[0], q_shape[1]),
+                     "[batch, seq_q] of query", "segment ids are"),
+        _int32_array("kv_segment_ids", kv_segment_ids, (k_shape[0], k_shape[1]),
+                     "[batch, seq_k] of key", "segment ids are"),
+    )
+
+
+def _int32_array(name, x, expected_shape, dims, subject="it must be"):
+    """x as an int32 array: an integer dtype that int32 holds (as jax stores it),
+    of shape expected_shape (described as dims in the error)."""
+    shape, dtype = _shape_dtype(name, x)
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array (int32), got dtype {dtype}")
+    if jnp.dtype(jax.dtypes.canonicalize_dtype(dtype)) not in _SEGMENT_ID_DTYPES:
+        raise TypeError(f"{name} has dtype {dtype}; {subject} int32 (or a narrower integer "
+                        "type): cast with .astype(jnp.int32)")
+    if shape != expected_shape:
+        raise ValueError(f"{name} must have shape {dims}, {expected_shape}, got shape {shape}")
+    return jnp.asarray(x).astype(jnp.int32)
 
 
 def check_bool(name, value):
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return bool(value)
+
+
+# ------------------------------------------------------------------ decode
+
+# Rows per block of a paged cache must be a multiple of this (the kernels'
+# key tiles gather whole 16-row runs of a block).
+PAGED_BLOCK_MULTIPLE = 16
+MAX_DECODE_SPLITS = 128  # kMaxDecodeSplits of csrc/include/jflash/decode.h
+
+
+def _rank4(name, x, layout):
+    shape, dtype = _shape_dtype(name, x)
+    if len(shape) != 4:
+        raise ValueError(f"{name} must have rank 4 {layout}, got shape {shape}")
+    if not all(isinstance(d, (int, np.integer)) for d in shape):
+        raise ValueError(f"{name} has a symbolic dimension in shape {shape}; "
+                         "flash_attention_with_kvcache needs static shapes")
+    if any(d == 0 for d in shape):
+        raise ValueError(f"{name} must have no zero-sized dimension, got shape {shape}")
+    return shape, dtype
+
+
+def check_kvcache(query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
+    """Validates flash_attention_with_kvcache's arrays. Returns (cache_seqlens,
+    block_table) as int32 arrays (block_table None for a contiguous cache) and
+    the cache's capacity in keys per sequence."""
+    q, dtype = _rank4("query", query, "[batch, seq_q, num_heads, head_dim]")
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"query has dtype {dtype}; jflash supports float16, bfloat16 and float32")
+    paged = block_table is not None
+    layout = ("[num_blocks, block_size, num_heads_kv, head_dim] (paged)" if paged
+              else "[batch, seq_cache, num_heads_kv, head_dim]")
+    k, k_dtype = _rank4("k_cache", k_cache, layout)
+    v, v_dtype = _rank4("v_cache", v_cache, layout)
+    if k_dtype != dtype or v_dtype != dtype:
+        raise TypeError(f"query, k_cache and v_cache must share one dtype, got {dtype}, "
+                        f"{k_dtype} and {v_dtype}")
+    if k != v:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {k} and {v}")
+    batch, _, num_heads, head_dim = q
+    if k[3] != head_dim:
+        raise ValueError(f"query and k_cache must have the same head_dim, got query {q} and "
+                         f"k_cache {k}")
+    if num_heads % k[2] != 0:
+        raise ValueError("num_heads of query must be a multiple of num_heads of k_cache "
+                         f"(GQA/MQA), got query {q} and k_cache {k}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got query {q}")
+    if paged:
+        table = _rank_checked_table(block_table, batch)
+        if k[1] % PAGED_BLOCK_MULTIPLE != 0:
+            raise ValueError(f"block_size (k_cache.shape[1]) of a paged cache must be a multiple "
+                             f"of {PAGED_BLOCK_MULTIPLE}, got k_cache {k}")
+        capacity = table.shape[1] * k[1]
+    else:
+        table = None
+        if k[0] != batch:
+            raise ValueError(f"k_cache must have query's batch size, got query {q} and k_cache "
+                             f"{k} (a paged cache comes with block_table)")
+        capacity = k[1]
+    seqlens = _int32_array("cache_seqlens", cache_seqlens, (batch,), "[batch] of query")
+    if (k_new is None) != (v_new is None):
+        given, missing = ("k_new", "v_new") if v_new is None else ("v_new", "k_new")
+        raise ValueError(f"{given} is given but {missing} is None; pass both or neither")
+    if k_new is not None:
+        kn, kn_dtype = _rank4("k_new", k_new, "[batch, seq_new, num_heads_kv, head_dim]")
+        vn, vn_dtype = _rank4("v_new", v_new, "[batch, seq_new, num_heads_kv, head_dim]")
+        if kn_dtype != dtype or vn_dtype != dtype:
+            raise TypeError(f"k_new and v_new must have query's dtype {dtype}, got {kn_dtype} "
+                            f"and {vn_dtype}")
+        if kn != vn:
+            raise ValueError(f"k_new and v_new must have the same shape, got {kn} and {vn}")
+        if (kn[0], kn[2], kn[3]) != (batch, k[2], head_dim):
+            raise ValueError(f"k_new must be [batch, seq_new, num_heads_kv, head_dim] = "
+                             f"[{batch}, seq_new, {k[2]}, {head_dim}], got {kn}")
+        if kn[1] > capacity:
+            raise ValueError(f"k_new holds {kn[1]} new keys per sequence, more than the cache's "
+                             f"capacity of {capacity}")
+    return seqlens, table, capacity
+
+
+def _rank_checked_table(block_table, batch):
+    shape, _ = _shape_dtype("block_table", block_table)
+    if len(shape) != 2 or shape[0] != batch or shape[1] == 0:
+        raise ValueError(f"block_table must have shape [batch, max_blocks_per_seq] with batch "
+                         f"{batch} and at least one block, got shape {shape}")
+    return _int32_array("block_table", block_table, shape, "[batch, max_blocks_per_seq]")
+
+
+def check_softcap(softcap):
+    """None (no softcap), or the cap c > 0 of c * tanh(score / c) as the float32 the
+    kernels receive."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(
+        softcap, (numbers.Real, np.floating, np.integer)
+    ):
+        raise TypeError(f"softcap must be None or a real number (a static value), got "
+                        f"{type(softcap).__name__}")
+    cap = check_scale_value("softcap", softcap)
+    if not cap > 0:
+        raise ValueError(f"softcap must be > 0 (None for no softcap), got {_short_repr(softcap)}")
+    return cap
+
+
+def check_num_splits(num_splits):
+    """None (the heuristic), or an int in [1, MAX_DECODE_SPLITS]."""
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)):
+        raise TypeError(f"num_splits must be None or an int, got {type(num_splits).__name__}")
+    if not 1 <= num_splits <= MAX_DECODE_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_DECODE_SPLITS}], got {int(num_splits)}")
+    return int(num_splits)

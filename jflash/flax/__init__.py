@@ -6,7 +6,8 @@
   linen.MultiHeadAttention, nnx.MultiHeadAttention
                           q/k/v projections, jflash attention (causal, local
                           window, GQA through num_kv_heads), output projection;
-                          parameters laid out like Flax's layers.
+                          parameters laid out like Flax's layers; a decode mode
+                          with a KV cache (flash_attention_with_kvcache).
 
 `import jflash` never imports flax; `import jflash.flax` does.
 """

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jflash._src.decode import flash_attention_with_kvcache
 from jflash._src.dot_product_attention import _unsupported, dot_product_attention
 
 
@@ -171,3 +172,33 @@ def attend(query, key, value, *, is_causal, local_window_size, implementation):
         implementation=implementation,
     )
     return jnp.reshape(out, (*batch_shape, *out.shape[1:]))
+
+
+def attend_with_cache(query, key, value, cached_key, cached_value, cache_index, *, is_causal,
+                      local_window_size):
+    """The layers' decode step: key and value [batch..., length, kv_heads, head_dim]
+    are written into the cache [batch..., max_length, kv_heads, head_dim] at
+    cache_index, and query [batch..., length, heads, head_dim] attends over its
+    first cache_index + length keys (jflash.flash_attention_with_kvcache): the
+    layer's causal mask and local window then hold in the tokens' absolute
+    positions, so a sequence fed in steps gets the outputs of one call on all of
+    it. Returns (out, cached_key, cached_value)."""
+    _check_batch_dims(query, key, value)
+    batch_shape = query.shape[:-3]
+    batch = math.prod(batch_shape)
+    dtype = cached_key.dtype
+
+    def flat(x):
+        return jnp.reshape(jnp.asarray(x, dtype), (batch, *x.shape[-3:]))
+
+    window = local_window_size
+    if isinstance(window, int):  # jax.nn.dot_product_attention's int: both sides
+        window = (window, window)
+    out, cached_key, cached_value = flash_attention_with_kvcache(
+        flat(query), flat(cached_key), flat(cached_value),
+        cache_seqlens=jnp.full((batch,), cache_index, jnp.int32), k_new=flat(key),
+        v_new=flat(value), causal=bool(is_causal), window_size=window,
+    )
+    out = jnp.reshape(out, (*batch_shape, *out.shape[1:])).astype(query.dtype)
+    return (out, jnp.reshape(cached_key, (*batch_shape, *cached_key.shape[1:])),
+            jnp.reshape(cached_value, (*batch_shape, *cached_value.shape[1:])))

@@ -8,7 +8,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jflash.flax._attention_fn import attend
+from jflash.flax._attention_fn import attend, attend_with_cache
 
 
 class MultiHeadAttention(nn.Module):
@@ -18,7 +18,17 @@ class MultiHeadAttention(nn.Module):
     Parameters are named and shaped like Flax's layer ("query", "key", "value",
     "out" DenseGeneral), so with num_kv_heads == num_heads its variables load
     into flax.linen.MultiHeadDotProductAttention and back. No dropout on the
-    attention weights and no decode cache.
+    attention weights.
+
+    decode=True (self-attention only), as in Flax: the "cache" collection holds
+    cached_key and cached_value [batch..., max_length, num_kv_heads, head_dim]
+    and cache_index. The call that creates them (model.init with inputs of
+    max_length tokens) sizes the cache and attends as without decode; each later
+    call appends its tokens at cache_index (any number of them: a prompt, then
+    one token per step) and attends over the cache with
+    jflash.flash_attention_with_kvcache, is_causal and the window in the
+    tokens' absolute positions (implementation does not apply there). Tokens
+    past max_length overwrite the cache's last rows.
 
     Attributes:
       num_heads: query heads.
@@ -32,6 +42,7 @@ class MultiHeadAttention(nn.Module):
         i - left ... i + right (jax.nn.dot_product_attention's convention).
       implementation: passed to jflash.dot_product_attention (None, "jflash",
         "xla", "cudnn").
+      decode: run as one step of autoregressive decoding with a KV cache (above).
     """
 
     num_heads: int
@@ -46,6 +57,7 @@ class MultiHeadAttention(nn.Module):
     is_causal: bool = False
     local_window_size: int | tuple[int, int] | None = None
     implementation: str | None = None
+    decode: bool = False
 
     @nn.compact
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None):
@@ -77,14 +89,23 @@ class MultiHeadAttention(nn.Module):
         query = dense(features=(self.num_heads, head_dim), name="query")(inputs_q)
         key = dense(features=(num_kv_heads, head_dim), name="key")(inputs_k)
         value = dense(features=(num_kv_heads, head_dim), name="value")(inputs_v)
-        x = attend(
-            query,
-            key,
-            value,
-            is_causal=self.is_causal,
-            local_window_size=self.local_window_size,
-            implementation=self.implementation,
-        )
+        cache = self._cache(inputs_q, inputs_k, key) if self.decode else None
+        if cache is not None:
+            cached_key, cached_value, cache_index = cache
+            x, cached_key.value, cached_value.value = attend_with_cache(
+                query, key, value, cached_key.value, cached_value.value, cache_index.value,
+                is_causal=self.is_causal, local_window_size=self.local_window_size,
+            )
+            cache_index.value = cache_index.value + key.shape[-3]
+        else:
+            x = attend(
+                query,
+                key,
+                value,
+                is_causal=self.is_causal,
+                local_window_size=self.local_window_size,
+                implementation=self.implementation,
+            )
         return nn.DenseGeneral(
             features=self.out_features or inputs_q.shape[-1],
             axis=(-2, -1),
@@ -95,3 +116,14 @@ class MultiHeadAttention(nn.Module):
             use_bias=self.use_bias,
             name="out",
         )(x)
+
+    def _cache(self, inputs_q, inputs_k, key):
+        """The cache variables (declared as zeros shaped like this call's keys), or
+        None when this call declares them (it then attends as without decode)."""
+        if inputs_k is not inputs_q:
+            raise ValueError("decode=True is for self-attention: pass inputs_q only")
+        initialized = self.has_variable("cache", "cached_key")
+        cache = (self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype),
+                 self.variable("cache", "cached_value", jnp.zeros, key.shape, key.dtype),
+                 self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32)))
+        return cache if initialized else None

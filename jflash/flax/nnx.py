@@ -7,7 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from jflash.flax._attention_fn import attend
+from jflash.flax._attention_fn import attend, attend_with_cache
 
 
 class MultiHeadAttention(nnx.Module):
@@ -16,7 +16,15 @@ class MultiHeadAttention(nnx.Module):
 
     Sub-modules query, key, value and out are nnx.LinearGeneral laid out as in
     flax.nnx.MultiHeadAttention, so parameters copy across. No dropout on the
-    attention weights and no decode cache.
+    attention weights.
+
+    Decoding, as in Flax: init_cache(input_shape) creates nnx.Cache state
+    (cached_key, cached_value [batch..., max_length, num_kv_heads, head_dim] and
+    cache_index); then each call with decode=True (self-attention only) appends
+    its tokens at cache_index (a prompt, then one token per step) and attends
+    over the cache with jflash.flash_attention_with_kvcache, is_causal and the
+    window in the tokens' absolute positions. Tokens past max_length overwrite
+    the cache's last rows.
 
     Args:
       num_heads: query heads.
@@ -29,7 +37,8 @@ class MultiHeadAttention(nnx.Module):
       is_causal: top-left causal mask (query i sees keys j <= i).
       local_window_size: None, an int, or (left, right): query i sees keys
         i - left ... i + right.
-      implementation: passed to jflash.dot_product_attention.
+      implementation: passed to jflash.dot_product_attention (not to decode steps).
+      decode: the default of __call__'s decode.
     """
 
     def __init__(
@@ -49,6 +58,7 @@ class MultiHeadAttention(nnx.Module):
         is_causal: bool = False,
         local_window_size: int | tuple[int, int] | None = None,
         implementation: str | None = None,
+        decode: bool = False,
         rngs: nnx.Rngs,
     ):
         qkv_features = qkv_features or in_features
@@ -67,6 +77,12 @@ class MultiHeadAttention(nnx.Module):
         self.is_causal = is_causal
         self.local_window_size = local_window_size
         self.implementation = implementation
+        self.decode = decode
+        # Cache state once init_cache runs; data (not static) attributes, so that
+        # the nnx.Cache variables it assigns later are part of the module's state.
+        self.cached_key = nnx.data(None)
+        self.cached_value = nnx.data(None)
+        self.cache_index = nnx.data(None)
 
         def linear(in_features, out_features, **kw):
             return nnx.LinearGeneral(
@@ -87,17 +103,42 @@ class MultiHeadAttention(nnx.Module):
         self.value = linear(in_kv_features, (num_kv_heads, self.head_dim))
         self.out = linear((num_heads, self.head_dim), out_features or in_features, axis=(-2, -1))
 
-    def __call__(self, inputs_q, inputs_k=None, inputs_v=None):
+    def init_cache(self, input_shape, dtype=jnp.float32):
+        """Creates the decode cache for inputs of input_shape [batch..., max_length,
+        in_features] (the longest sequence it will hold), in dtype."""
+        shape = (*input_shape[:-1], self.num_kv_heads, self.head_dim)
+        self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+
+    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, decode=None):
         """inputs_q [batch..., length_q, in_features]; inputs_k and inputs_v
-        [batch..., length_kv, in_kv_features], default inputs_q (self-attention)."""
+        [batch..., length_kv, in_kv_features], default inputs_q (self-attention).
+        decode (default: the layer's): a decode step over the cache (init_cache)."""
+        decode = self.decode if decode is None else decode
+        if decode and (inputs_k is not None or inputs_v is not None):
+            raise ValueError("decode=True is for self-attention: pass inputs_q only")
+        if decode and self.cached_key is None:
+            raise ValueError("decode=True needs a cache: call init_cache(input_shape) first")
         inputs_k = inputs_q if inputs_k is None else inputs_k
         inputs_v = inputs_k if inputs_v is None else inputs_v
-        x = attend(
-            self.query(inputs_q),
-            self.key(inputs_k),
-            self.value(inputs_v),
-            is_causal=self.is_causal,
-            local_window_size=self.local_window_size,
-            implementation=self.implementation,
-        )
+        query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
+        if decode:
+            x, cached_key, cached_value = attend_with_cache(
+                query, key, value, self.cached_key.get_value(), self.cached_value.get_value(),
+                self.cache_index.get_value(), is_causal=self.is_causal,
+                local_window_size=self.local_window_size,
+            )
+            self.cached_key.set_value(cached_key)
+            self.cached_value.set_value(cached_value)
+            self.cache_index.set_value(self.cache_index.get_value() + key.shape[-3])
+        else:
+            x = attend(
+                query,
+                key,
+                value,
+                is_causal=self.is_causal,
+                local_window_size=self.local_window_size,
+                implementation=self.implementation,
+            )
         return self.out(x)

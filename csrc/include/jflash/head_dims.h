@@ -24,6 +24,14 @@ inline constexpr int kNumSegmentHeadDims = sizeof(kSegmentHeadDims) / sizeof(kSe
 static_assert(kSegmentHeadDims[kNumSegmentHeadDims - 1] == kMaxKernelHeadDim,
               "every head dim pads up to a segment head dim");
 
+// The decode kernels (jflash.flash_attention_with_kvcache) are built for these
+// head dims; Python pads other head dims up to the next of them (which copies
+// the cache: README).
+inline constexpr int kDecodeHeadDims[] = {64, 128, 256};
+inline constexpr int kNumDecodeHeadDims = sizeof(kDecodeHeadDims) / sizeof(kDecodeHeadDims[0]);
+static_assert(kDecodeHeadDims[kNumDecodeHeadDims - 1] == kMaxKernelHeadDim,
+              "every head dim pads up to a decode head dim");
+
 // The position of head_dim in kKernelHeadDims, or -1 where it is not an entry
 // (host code: the registry and the handlers).
 constexpr int kernel_head_dim_index(int head_dim) {

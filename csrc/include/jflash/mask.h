@@ -170,6 +170,25 @@ struct MaskParams {
   }
 };
 
+// The band of causal and a (left, right) window aligned bottom-right, for
+// lengths known only when a kernel runs (decode: each sequence's cache
+// length): query i sees key j iff i + off - left <= j <= i + off + right,
+// off = seqlen_k - seqlen_q, -1 leaving a side unbounded (causal is right =
+// 0). The rule of jflash/_src/masks.py's window_band, clamped as the FFI layer
+// clamps every band.
+JFLASH_HOST_DEVICE MaskParams bottom_right_band(int64_t seqlen_q, int64_t seqlen_k, int64_t left,
+                                                int64_t right) {
+  const int64_t offset = seqlen_k - seqlen_q;
+  int64_t lo = left >= 0 ? offset - left : -seqlen_q;
+  int64_t hi = right >= 0 ? offset + right : seqlen_k;
+  lo = lo < -seqlen_q ? -seqlen_q : (lo > seqlen_k ? seqlen_k : lo);
+  hi = hi < -seqlen_q ? -seqlen_q : (hi > seqlen_k ? seqlen_k : hi);
+  MaskParams band;
+  band.diag_lo = lo;
+  band.diag_hi = hi;
+  return band;
+}
+
 // Policies are cheap views of MaskParams, built where a kernel needs them.
 //
 // kDense: every tile is full, so a kernel may drop its masking code at compile

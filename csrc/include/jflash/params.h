@@ -106,4 +106,67 @@ constexpr int64_t dkv_accum_count(const BwdParams& p) {
   return int64_t{p.batch} * p.num_heads_kv * 2 * p.seqlen_k * p.head_dim;
 }
 
+// Decode: a few query rows per sequence against a KV cache
+// (jflash.flash_attention_with_kvcache; jflash/decode.h has the rules every
+// decode kernel shares):
+//
+//   q, out           : [batch, seqlen_q, num_heads, head_dim]
+//   k_cache, v_cache : [num_cache_blocks, block_size, num_heads_kv, head_dim];
+//                      a contiguous cache [batch, capacity, ...] is one block
+//                      per sequence (block_table null: sequence b is block b)
+//   block_table      : [batch, max_blocks_per_seq] int32, or null
+//   cache_seqlens    : [batch] int32, the keys held before the append
+//   k_new, v_new     : [batch, seqlen_new, num_heads_kv, head_dim], or null
+//                      (seqlen_new 0): the keys appended at cache_seqlens[b]
+//   lse              : [batch, num_heads, seqlen_q] float32
+//   out_partial      : [num_splits, batch, num_heads, seqlen_q, head_dim] and
+//   lse_partial      : [num_splits, batch, num_heads, seqlen_q] float32
+//                      scratch, each key-range split's result (num_splits > 1)
+//
+// Sequence b attends over its first cache_seqlens[b] + seqlen_new keys, the
+// new ones read from k_new and v_new (and written into the cache), so that no
+// kernel reads a cache row that a kernel of the same call writes.
+struct DecodeParams {
+  DType dtype;
+
+  const void* q;
+  void* k_cache;  // the aliased output buffers: read, and the new rows written
+  void* v_cache;
+  const void* k_new;
+  const void* v_new;
+  const int32_t* cache_seqlens;
+  const int32_t* block_table;
+  void* out;
+  float* lse;
+  float* out_partial;
+  float* lse_partial;
+
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t out_batch_stride, out_row_stride, out_head_stride;
+  // k_cache and v_cache share one shape, hence one set of strides; so do
+  // k_new and v_new.
+  int64_t cache_block_stride, cache_row_stride, cache_head_stride;
+  int64_t new_batch_stride, new_row_stride, new_head_stride;
+
+  int batch;
+  int seqlen_q;
+  int seqlen_new;
+  int num_heads;
+  int num_heads_kv;
+  int heads_per_kv;  // query head h reads kv head h / heads_per_kv
+  int head_dim;
+  int block_size;          // cache rows per block
+  int num_cache_blocks;    // block ids are clamped to [0, num_cache_blocks)
+  int max_blocks_per_seq;  // capacity = max_blocks_per_seq * block_size keys
+  int num_splits;          // key-range splits per (batch, kv head, row block)
+
+  float softmax_scale;
+  float softmax_scale_log2;
+  float softcap;  // > 0: scores become softcap * tanh(score / softcap); 0: none
+  // causal and window_size as a band aligned bottom-right to each sequence's
+  // length (mask.h, bottom_right_band); -1: unbounded. causal is right = 0.
+  int64_t window_left;
+  int64_t window_right;
+};
+
 }  // namespace jflash

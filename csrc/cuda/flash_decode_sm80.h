@@ -1,0 +1,566 @@
+// Decode: out = softmax(scale * Q K^T) V for a few query rows per sequence
+// against a KV cache (jflash.flash_attention_with_kvcache), split over the key
+// range ("flash decoding") where the batch alone would leave SMs idle.
+//
+// One CTA per (sequence, kv head, split of the key range, block of rows). Its
+// rows are the kv head's query heads times the queries (jflash/decode.h):
+// every row reads the same K and V, so each cache byte is read once per kv
+// head, and the work is bound by those reads, not by the tensor cores.
+//
+// 4 warps, each with a 16-row slice of the rows and its own online softmax
+// (max, sum and O in registers):
+//   kWarpsN = 4 (at most 16 rows): the warps share the rows and take a
+//     quarter of each key tile each, so that the MMAs of one tile run on 4 warps;
+//   kWarpsN = 1 (more rows): each warp takes 16 of 64 rows and every key.
+// K and V tiles of 64 keys stream through a ring of `stages` shared-memory
+// buffers with 16-byte cp.async, stages - 1 tiles ahead of the one computed.
+// Key rows are gathered one by one: a paged cache through its block table
+// (blocks of any multiple of 16 rows), the appended keys from k_new and
+// v_new, and rows past the sequence zero-filled without a read.
+//
+// Epilogue: the warps' (max, sum, O) combine through shared memory. One split
+// writes out and lse; several write their share (O over their own sum, and
+// their lse) to XLA's float32 scratch, and flash_decode_combine_kernel merges
+// them by lse. The CTAs of split 0 also write k_new and v_new into the cache,
+// rows that no CTA of the call reads from the cache.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+
+#include "cuda/kernel_traits_sm80.h"
+#include "cuda/launch.h"
+#include "cuda/utils.h"
+#include "jflash/decode.h"
+#include "jflash/params.h"
+
+namespace jflash::cuda {
+
+using namespace cute;
+
+template <typename Element_, int kHeadDim_, int kWarpsN_>
+struct DecodeTraitsSm80 : BaseTraits<Element_, kHeadDim_, 128> {
+  using Base = BaseTraits<Element_, kHeadDim_, 128>;
+  using typename Base::Element;
+  using typename Base::SmemLayoutAtom;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kNWarps = 4;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kWarpsN = kWarpsN_;  // warps that split a key tile
+  static constexpr int kWarpsM = kNWarps / kWarpsN;
+  static constexpr int kBlockM = 16 * kWarpsM;  // rows per CTA
+  static constexpr DecodeTile kTile = decode_tile(kHeadDim);
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kWarpKeys = kBlockN / kWarpsN;  // keys of a tile per warp
+  static_assert(kWarpKeys % 16 == 0, "P V takes a warp's keys 16 at a time");
+  // Q stays in registers across the tiles (head_dim / 4 words per thread) up
+  // to head dim 128; at 256 the output accumulator needs them, and Q's
+  // fragments are read from shared memory per tile.
+  static constexpr bool kQInRegisters = kHeadDim <= 128;
+
+  // One warp's products: S (16 x warp keys) = Q K^T and O (16 x head_dim) += P V.
+  using TiledMma = TiledMMA<MmaAtom16816<Element>, Layout<Shape<_1, _1, _1>>, Tile<_16, _16, _16>>;
+
+  // Shared memory, in slices of one warp's share (swizzled like the forward's
+  // tiles): Q as kWarpsM slices of 16 rows, then per stage kWarpsN K slices
+  // and kWarpsN V slices of kWarpKeys keys.
+  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<_16, Int<kHeadDim>>{}));
+  using SmemLayoutKV =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kWarpKeys>, Int<kHeadDim>>{}));
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kWarpKeys>>{}, GenRowMajor{})));
+  using SmemLayoutVtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutVt{}));
+  static constexpr int kQElements = kBlockM * kHeadDim;
+  static constexpr int kTileElements = kBlockN * kHeadDim;  // one K (or V) tile
+  static constexpr int kSliceElements = kWarpKeys * kHeadDim;
+
+  static constexpr int smem_bytes(int stages) {
+    return decode_smem_bytes(kHeadDim, kBlockM, stages);
+  }
+  static_assert(smem_bytes(1) >= int(sizeof(float)) * kWarpsN * kBlockM * (kHeadDim + 2),
+                "the epilogue's float32 outputs fit in the ring");
+  // The ring depth under a shared-memory limit: the table's, or what fits
+  // (at least 1; the handler reports a device that fits none).
+  static constexpr int stages_for(int smem_limit) {
+    int stages = kTile.stages;
+    while (stages > 1 && smem_bytes(stages) > smem_limit) --stages;
+    return stages;
+  }
+};
+
+// 16 bytes global -> shared; zero-filled without a read where !valid (src must
+// still be a mapped address).
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
+               "r"(valid ? 16 : 0));
+}
+
+// Waits until at most `pending` cp.async groups are in flight (an immediate in
+// PTX, hence the branches).
+__device__ __forceinline__ void cp_async_wait_pending(int pending) {
+  static_assert(kMaxDecodeStages - 2 == 4, "one case per pending count");
+  switch (pending) {
+    case 4: cp_async_wait<4>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 1: cp_async_wait<1>(); break;
+    default: cp_async_wait<0>(); break;
+  }
+}
+
+__device__ __forceinline__ float fast_tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// One CTA's work unit: blockIdx.x is (((batch * num_heads_kv + kv_head) *
+// num_splits + split) * row_blocks + row_block), so that the row blocks of one
+// kv head and split run side by side and find its K/V tiles in L2.
+struct DecodeUnit {
+  int batch, kv_head, split, row_block;
+};
+
+__device__ __forceinline__ DecodeUnit decode_unit(const DecodeParams& p, int row_blocks) {
+  int unit = blockIdx.x;
+  DecodeUnit u;
+  u.row_block = unit % row_blocks;
+  unit /= row_blocks;
+  u.split = unit % p.num_splits;
+  unit /= p.num_splits;
+  u.kv_head = unit % p.num_heads_kv;
+  u.batch = unit / p.num_heads_kv;
+  return u;
+}
+
+// k_new, v_new of (batch, kv head) -> the cache rows at the clamped length.
+template <typename Element, int kHeadDim, int kThreads>
+__device__ __forceinline__ void append_new_rows(const DecodeParams& p, int batch, int kv_head,
+                                                int cache_len) {
+  constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+  for (int i = threadIdx.x; i < p.seqlen_new * kChunks; i += kThreads) {
+    const int t = i / kChunks, chunk = i % kChunks;
+    const int64_t src = batch * p.new_batch_stride + t * p.new_row_stride +
+                        kv_head * p.new_head_stride + chunk * 8;
+    const int64_t dst = cache_row_offset(p, batch, cache_len + t) + kv_head * p.cache_head_stride +
+                        chunk * 8;
+    *reinterpret_cast<uint4*>(static_cast<Element*>(p.k_cache) + dst) =
+        *reinterpret_cast<const uint4*>(static_cast<const Element*>(p.k_new) + src);
+    *reinterpret_cast<uint4*>(static_cast<Element*>(p.v_cache) + dst) =
+        *reinterpret_cast<const uint4*>(static_cast<const Element*>(p.v_new) + src);
+  }
+}
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    flash_decode_kernel(const __grid_constant__ DecodeParams params, const int stages) {
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kWarpsN = Traits::kWarpsN;
+  constexpr int kWarpKeys = Traits::kWarpKeys;
+  constexpr int kThreads = Traits::kNThreads;
+
+  extern __shared__ __align__(128) char smem_raw[];
+  Element* smem = reinterpret_cast<Element*>(smem_raw);
+  const int tidx = threadIdx.x;
+  const int warp = tidx / 32, lane = tidx % 32;
+  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
+
+  const int group = params.heads_per_kv;
+  const int rows = decode_rows(params);
+  const int row_blocks = ceil_div(rows, kBlockM);
+  const DecodeUnit unit = decode_unit(params, row_blocks);
+  const int batch = unit.batch, kv_head = unit.kv_head, split = unit.split;
+  const int row_block = unit.row_block;
+  const int m_begin = row_block * kBlockM;
+  const int m_end = min(m_begin + kBlockM, rows);
+
+  // The keys this block's queries see, and this split's tiles of them.
+  const DecodeLengths lens = decode_lengths(params, batch);
+  const MaskParams band = decode_band(params, lens.total);
+  const BandMask mask(band, batch);
+  const int query_first = m_begin / group;
+  const int query_end = (m_end - 1) / group + 1;
+  const IndexRange keys = mask.keys_of_rows(query_first, query_end, lens.total);
+  const int first_tile = static_cast<int>(keys.begin) / kBlockN;
+  const int end_tile =
+      keys.begin < keys.end ? ceil_div(static_cast<int>(keys.end), kBlockN) : first_tile;
+  const TileSpan span = split_tiles(first_tile, end_tile, split, params.num_splits);
+
+  // ---- Loads: 16-byte chunks, kRowsPerPass rows per pass of the CTA.
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  static_assert(kBlockN % kRowsPerPass == 0 && 16 % kRowsPerPass == 0);
+  const int chunk = tidx % kChunks;
+  const int pass_row = tidx / kChunks;
+  const Element* q_base = static_cast<const Element*>(params.q) + batch * params.q_batch_stride +
+                          int64_t{kv_head} * group * params.q_head_stride + chunk * 8;
+  CUTE_UNROLL
+  for (int r = pass_row; r < kBlockM; r += kRowsPerPass) {
+    const int m = m_begin + r;
+    const bool valid = m < m_end;
+    const Element* src = valid ? q_base + (m / group) * params.q_row_stride +
+                                     (m % group) * params.q_head_stride
+                               : q_base;
+    cp_async_16(smem + (r / 16) * 16 * kHeadDim + typename Traits::SmemLayoutQ{}(r % 16, chunk * 8),
+                src, valid);
+  }
+  const Element* k_cache = static_cast<const Element*>(params.k_cache);
+  const Element* v_cache = static_cast<const Element*>(params.v_cache);
+  const int64_t cache_head = kv_head * params.cache_head_stride + chunk * 8;
+  const int64_t new_head = batch * params.new_batch_stride + kv_head * params.new_head_stride +
+                           chunk * 8;
+  Element* ring = smem + Traits::kQElements;
+  auto load_tile = [&](int tile, int stage) {
+    Element* k_stage = ring + stage * 2 * Traits::kTileElements;
+    CUTE_UNROLL
+    for (int r = pass_row; r < kBlockN; r += kRowsPerPass) {
+      const int key = tile * kBlockN + r;
+      const Element* k_src = k_cache;  // zero-filled, not read
+      const Element* v_src = v_cache;
+      if (key < lens.cache) {
+        const int64_t offset = cache_row_offset(params, batch, key) + cache_head;
+        k_src = k_cache + offset;
+        v_src = v_cache + offset;
+      } else if (key < lens.total) {
+        const int64_t offset = new_head + (key - lens.cache) * params.new_row_stride;
+        k_src = static_cast<const Element*>(params.k_new) + offset;
+        v_src = static_cast<const Element*>(params.v_new) + offset;
+      }
+      Element* dst = k_stage + (r / kWarpKeys) * Traits::kSliceElements +
+                     typename Traits::SmemLayoutKV{}(r % kWarpKeys, chunk * 8);
+      cp_async_16(dst, k_src, key < lens.total);
+      cp_async_16(dst + Traits::kTileElements, v_src, key < lens.total);
+    }
+  };
+
+  // Prologue: Q with the first tile in the first cp.async group, then one
+  // group per tile up to stages - 1 tiles ahead (empty groups keep the count).
+  for (int s = 0; s < max(stages - 1, 1); ++s) {
+    if (span.begin + s < span.end) load_tile(span.begin + s, s);
+    cp_async_fence();
+  }
+  if (split == 0 && row_block == 0 && params.seqlen_new > 0) {
+    append_new_rows<Element, kHeadDim, kThreads>(params, batch, kv_head, lens.cache);
+  }
+
+  // ---- One warp's operands.
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(lane);
+  Tensor sQ = make_tensor(make_smem_ptr(smem + warp_m * 16 * kHeadDim), typename Traits::SmemLayoutQ{});
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+  auto smem_tiled_copy_Q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_copy_Q = smem_tiled_copy_Q.get_thread_slice(lane);
+  Tensor tSsQ = smem_thr_copy_Q.partition_S(sQ);
+  auto smem_tiled_copy_K = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_copy_K = smem_tiled_copy_K.get_thread_slice(lane);
+  auto smem_tiled_copy_V =
+      make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
+  auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(lane);
+  Tensor tSrK = thr_mma.partition_fragment_B(
+      make_tensor(make_smem_ptr(ring), typename Traits::SmemLayoutKV{}));
+  Tensor tOrVt = thr_mma.partition_fragment_B(
+      make_tensor(make_smem_ptr(ring), typename Traits::SmemLayoutVtNoSwizzle{}));
+
+  // (row, col) of each score and output element in the warp's 16-row slice.
+  Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<_16, Int<kWarpKeys>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<_16, Int<kHeadDim>>{});
+  Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+  constexpr int kRows = decltype(size<0>(o_rc))::value;  // rows this thread holds
+  float row_max[kRows];  // running max of the log2-domain scores
+  float row_sum[kRows];  // running sum of exp2(score - row_max), this thread's columns
+  int row_query[kRows];  // the query of each row
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    row_max[r] = -INFINITY;
+    row_sum[r] = 0.f;
+    row_query[r] = (m_begin + warp_m * 16 + get<0>(tScS_rc(r, 0))) / group;
+  }
+  clear(acc_o);
+  // softcap: s2 = softcap * log2(e) * tanh(scale * q.k / softcap), else scale * log2(e) * q.k.
+  const bool softcap = params.softcap > 0.f;
+  const float score_scale = softcap ? params.softmax_scale / params.softcap
+                                    : params.softmax_scale_log2;
+  const float cap_log2 = params.softcap * float(M_LOG2E);
+
+  for (int tile = span.begin; tile < span.end; ++tile) {
+    const int step = tile - span.begin;
+    const int stage = step % stages;
+    cp_async_wait_pending(stages - 2);
+    __syncthreads();  // this tile visible to all warps; all are done with the stage refilled next
+    if (stages > 1) {
+      if (tile + stages - 1 < span.end) load_tile(tile + stages - 1, (step + stages - 1) % stages);
+      cp_async_fence();
+    }
+    if constexpr (Traits::kQInRegisters) {
+      if (step == 0) copy(smem_tiled_copy_Q, tSsQ, smem_thr_copy_Q.retile_D(tSrQ));
+    }
+    Element* k_slice = ring + stage * 2 * Traits::kTileElements + warp_n * Traits::kSliceElements;
+    Tensor tSsK = smem_thr_copy_K.partition_S(
+        make_tensor(make_smem_ptr(k_slice), typename Traits::SmemLayoutKV{}));
+    Tensor tOsVt = smem_thr_copy_V.partition_S(make_tensor(
+        make_smem_ptr(k_slice + Traits::kTileElements), typename Traits::SmemLayoutVt{}));
+
+    // S = Q K^T   (16 x warp keys)
+    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<_16, Int<kWarpKeys>>{});
+    clear(acc_s);
+    if constexpr (Traits::kQInRegisters) {
+      gemm_rs(acc_s, tSrQ, tSrK, tSsK, tiled_mma, smem_tiled_copy_K, smem_thr_copy_K);
+    } else {
+      gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_thr_copy_Q,
+              smem_tiled_copy_K, smem_thr_copy_K);
+    }
+
+    // Scores in the log2 domain, then the mask (any sign of the scale).
+    Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+    CUTE_UNROLL
+    for (int i = 0; i < size(s); ++i) {
+      s(i) = softcap ? cap_log2 * fast_tanh(s(i) * score_scale) : s(i) * score_scale;
+    }
+    const int tile_key0 = tile * kBlockN;
+    if (tile_key0 + kBlockN > lens.total ||
+        mask.tile_class(query_first, query_end, tile_key0, tile_key0 + kBlockN) !=
+            TileClass::kFull) {
+      const int key0 = tile_key0 + warp_n * kWarpKeys;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s); ++c) {
+          const int key = key0 + get<1>(tScS_rc(r, c));
+          if (key >= lens.total || !mask.visible(int64_t{row_query[r]}, int64_t{key})) {
+            s(r, c) = -INFINITY;
+          }
+        }
+      }
+    }
+
+    // Online softmax (a row lives in one quad of lanes), O rescaled.
+    online_softmax(s, o_rc, row_max, row_sum);
+
+    // O += P V   (P converted in registers to the A-operand layout)
+    Tensor p = convert_fragment<Element>(acc_s);
+    Tensor tOrP = make_tensor(p.data(), acc_as_a_operand(p.layout()));
+    gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
+
+    if (stages == 1) {
+      __syncthreads();  // every warp is done with the only stage
+      if (tile + 1 < span.end) load_tile(tile + 1, 0);
+      cp_async_fence();
+    }
+  }
+
+  // ---- Epilogue: the warps' states through shared memory (the ring is free).
+  cp_async_wait<0>();
+  __syncthreads();
+  float* o_smem = reinterpret_cast<float*>(smem_raw);  // [kWarpsN][kBlockM][kHeadDim]
+  float* max_smem = o_smem + kWarpsN * kBlockM * kHeadDim;  // [kWarpsN][kBlockM], log2 domain
+  float* sum_smem = max_smem + kWarpsN * kBlockM;
+  Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<_16, Int<kHeadDim>>{}));
+  Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+  const int slot0 = warp_n * kBlockM + warp_m * 16;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const int row = get<0>(tOcO_rc(r, 0));
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(o_rc); ++c) {
+      o_smem[(slot0 + row) * kHeadDim + get<1>(tOcO_rc(r, c))] = o_rc(r, c);
+    }
+    const float sum = quad_allreduce(row_sum[r], SumOp{});
+    if (lane % 4 == 0) {
+      max_smem[slot0 + row] = row_max[r];
+      sum_smem[slot0 + row] = sum;
+    }
+  }
+  __syncthreads();
+
+  // out = O / l, lse = max + ln l over the warps' combined state. One split:
+  // the forward's rules (no key: 0 and -inf; l = 0, every score -inf: NaN).
+  // Several: this split's share, lse -inf where it has none (no key here, or
+  // every score -inf), which the combine tells apart by the mask.
+  const bool direct = params.num_splits == 1;
+  const int64_t rows_total = int64_t{params.batch} * params.num_heads * params.seqlen_q;
+  constexpr int kVecs = kHeadDim / 4;  // 4 columns per thread and step
+  for (int i = tidx; i < kBlockM * kVecs; i += kThreads) {
+    const int row = i / kVecs, col = i % kVecs * 4;
+    const int m = m_begin + row;
+    if (m >= m_end) continue;
+    float max = -INFINITY;
+    CUTE_UNROLL
+    for (int w = 0; w < kWarpsN; ++w) max = fmaxf(max, max_smem[w * kBlockM + row]);
+    const float max_safe = max == -INFINITY ? 0.f : max;
+    float sum = 0.f;
+    float o[4] = {0.f, 0.f, 0.f, 0.f};
+    CUTE_UNROLL
+    for (int w = 0; w < kWarpsN; ++w) {
+      const float weight = fast_exp2(max_smem[w * kBlockM + row] - max_safe);
+      sum += weight * sum_smem[w * kBlockM + row];
+      const float4 part = *reinterpret_cast<const float4*>(o_smem + (w * kBlockM + row) * kHeadDim + col);
+      o[0] += weight * part.x;
+      o[1] += weight * part.y;
+      o[2] += weight * part.z;
+      o[3] += weight * part.w;
+    }
+    const int query = m / group;
+    const int head = kv_head * group + m % group;
+    const IndexRange row_keys = mask.row_keys(query, lens.total);
+    const bool empty = row_keys.begin >= row_keys.end || (!direct && sum == 0.f);
+    float lse = -INFINITY;
+    if (empty) {
+      o[0] = o[1] = o[2] = o[3] = 0.f;  // a select: O may hold 0 * NaN of a NaN in v
+    } else {
+      lse = sum == 0.f ? NAN : max * float(M_LN2) + logf(sum);
+      const float inv_sum = 1.f / sum;
+      for (float& x : o) x *= inv_sum;
+    }
+    const int64_t row_index = (int64_t{batch} * params.num_heads + head) * params.seqlen_q + query;
+    if (direct) {
+      Element* dst = static_cast<Element*>(params.out) + batch * params.out_batch_stride +
+                     query * params.out_row_stride + head * params.out_head_stride + col;
+      *reinterpret_cast<uint2*>(dst) = make_uint2(pack_pair(Element(o[0]), Element(o[1])),
+                                                  pack_pair(Element(o[2]), Element(o[3])));
+      if (col == 0) params.lse[row_index] = lse;
+    } else {
+      const int64_t partial = split * rows_total + row_index;
+      *reinterpret_cast<float4*>(params.out_partial + partial * kHeadDim + col) =
+          make_float4(o[0], o[1], o[2], o[3]);
+      if (col == 0) params.lse_partial[partial] = lse;
+    }
+  }
+}
+
+// out, lse of each row (sequence, query head, query) from its splits':
+// lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s over the
+// splits with a share (lse_s > -inf). A row that sees keys but has no share
+// in any split had every visible score -inf: NaN, as with one split. One warp
+// per row, head_dim / 32 columns per lane.
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(128) flash_decode_combine_kernel(
+    const __grid_constant__ DecodeParams params) {
+  constexpr int kPerLane = kHeadDim / 32;
+  static_assert(kPerLane % 2 == 0);
+  const int64_t rows_total = int64_t{params.batch} * params.num_heads * params.seqlen_q;
+  const int64_t row = int64_t{blockIdx.x} * 4 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows_total) return;
+  const int batch = static_cast<int>(row / (int64_t{params.num_heads} * params.seqlen_q));
+  const int head = static_cast<int>(row / params.seqlen_q % params.num_heads);
+  const int query = static_cast<int>(row % params.seqlen_q);
+  const DecodeLengths lens = decode_lengths(params, batch);
+  const MaskParams band = decode_band(params, lens.total);
+  const IndexRange keys = BandMask(band, batch).row_keys(query, lens.total);
+
+  float o[kPerLane] = {};
+  float lse = -INFINITY;
+  if (keys.begin < keys.end) {
+    float max = -INFINITY;
+    for (int s = lane; s < params.num_splits; s += 32) {
+      max = fmaxf(max, params.lse_partial[s * rows_total + row]);
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      max = fmaxf(max, __shfl_xor_sync(0xffffffff, max, offset));
+    }
+    if (max == -INFINITY) {
+      lse = NAN;
+      for (float& x : o) x = NAN;
+    } else {
+      float sum = 0.f;
+      for (int s = lane; s < params.num_splits; s += 32) {
+        const float lse_s = params.lse_partial[s * rows_total + row];
+        if (lse_s != -INFINITY) sum += expf(lse_s - max);  // a NaN share makes the row NaN
+      }
+      for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+      lse = max + logf(sum);
+      for (int s = 0; s < params.num_splits; ++s) {
+        const float lse_s = params.lse_partial[s * rows_total + row];
+        if (lse_s == -INFINITY) continue;
+        const float weight = expf(lse_s - lse);
+        const float* share = params.out_partial + (s * rows_total + row) * kHeadDim + lane * kPerLane;
+        CUTE_UNROLL
+        for (int c = 0; c < kPerLane; c += 2) {
+          const float2 x = *reinterpret_cast<const float2*>(share + c);
+          o[c] += weight * x.x;
+          o[c + 1] += weight * x.y;
+        }
+      }
+    }
+  }
+  Element* dst = static_cast<Element*>(params.out) + batch * params.out_batch_stride +
+                 query * params.out_row_stride + head * params.out_head_stride + lane * kPerLane;
+  CUTE_UNROLL
+  for (int c = 0; c < kPerLane; c += 2) {
+    *reinterpret_cast<uint32_t*>(dst + c) = pack_pair(Element(o[c]), Element(o[c + 1]));
+  }
+  if (lane == 0) params.lse[row] = lse;
+}
+
+// The kernel for `rows` rows per kv head: 4 warps across the keys of a tile
+// for up to 16 rows, across 64 rows otherwise.
+template <typename Element, int kHeadDim, typename Body>
+auto with_decode_traits(int rows, Body&& body) {
+  if (rows <= 16) return body(DecodeTraitsSm80<Element, kHeadDim, 4>{});
+  return body(DecodeTraitsSm80<Element, kHeadDim, 1>{});
+}
+
+template <typename Element, int kHeadDim>
+int decode_smem_bytes_sm80(int rows, const LaunchContext& ctx) {
+  return with_decode_traits<Element, kHeadDim>(rows, [&](auto traits) {
+    using Traits = decltype(traits);
+    return Traits::smem_bytes(Traits::stages_for(ctx.smem_limit));
+  });
+}
+
+template <typename Traits>
+cudaError_t set_decode_smem(int smem_bytes) {
+  if (smem_bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(&flash_decode_kernel<Traits>,
+                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+}
+
+// The split heuristic (jflash/decode.h) with the kernel's occupancy: its CTAs
+// per SM at the shared memory it takes here are the slots of an SM.
+template <typename Element, int kHeadDim>
+int decode_num_splits_sm80(int64_t batch, int64_t num_heads_kv, int rows, int64_t capacity,
+                           const LaunchContext& ctx) {
+  return with_decode_traits<Element, kHeadDim>(rows, [&](auto traits) {
+    using Traits = decltype(traits);
+    const int smem = Traits::smem_bytes(Traits::stages_for(ctx.smem_limit));
+    int per_sm = 0;
+    if (set_decode_smem<Traits>(smem) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, &flash_decode_kernel<Traits>,
+                                                      Traits::kNThreads, smem) != cudaSuccess) {
+      per_sm = 1;
+    }
+    const int64_t units = batch * num_heads_kv * ceil_div(rows, Traits::kBlockM);
+    return decode_num_splits(units, int64_t{ctx.sm_count} * (per_sm > 0 ? per_sm : 1), capacity);
+  });
+}
+
+template <typename Element, int kHeadDim>
+cudaError_t run_flash_decode(const DecodeParams& params, const LaunchContext& ctx) {
+  const int rows = decode_rows(params);
+  return with_decode_traits<Element, kHeadDim>(rows, [&](auto traits) {
+    using Traits = decltype(traits);
+    const int stages = Traits::stages_for(ctx.smem_limit);
+    const int smem = Traits::smem_bytes(stages);
+    if (cudaError_t err = set_decode_smem<Traits>(smem); err != cudaSuccess) return err;
+    // The handler checks that the grid fits gridDim.x (2^31 - 1).
+    const int64_t ctas = int64_t{params.batch} * params.num_heads_kv * params.num_splits *
+                         ceil_div(rows, Traits::kBlockM);
+    flash_decode_kernel<Traits><<<static_cast<unsigned>(ctas), Traits::kNThreads, smem, ctx.stream>>>(
+        params, stages);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess || params.num_splits == 1) {
+      return err;
+    }
+    const int64_t rows_total = int64_t{params.batch} * params.num_heads * params.seqlen_q;
+    flash_decode_combine_kernel<Element, kHeadDim>
+        <<<static_cast<unsigned>((rows_total + 3) / 4), 128, 0, ctx.stream>>>(params);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace jflash::cuda

@@ -1,0 +1,110 @@
+// The rules every decode kernel (the CUDA kernels and the CPU twin) follows
+// alike: each sequence's lengths, where a key row lives, which query rows a
+// kv head's tile holds, which key tiles a split takes, and how many splits a
+// call gets. DecodeParams (params.h) holds the tensors.
+#pragma once
+
+#include <cstdint>
+
+#include "jflash/mask.h"
+#include "jflash/params.h"
+
+namespace jflash {
+
+// Splits of a key range: at most kMaxDecodeSplits, and the heuristic gives
+// each at least kMinDecodeSplitKeys keys of the cache's capacity, so that a
+// split's loads fill its pipeline before it ends.
+inline constexpr int kMaxDecodeSplits = 128;
+inline constexpr int kMinDecodeSplitKeys = 256;
+
+JFLASH_HOST_DEVICE int load_int32(const int32_t* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldg(p);
+#else
+  return *p;
+#endif
+}
+
+JFLASH_HOST_DEVICE int decode_capacity(const DecodeParams& p) {
+  return p.max_blocks_per_seq * p.block_size;
+}
+
+// Sequence b's keys: cache_seqlens[b] clamped to [0, capacity - seqlen_new],
+// so that neither the append nor a read leaves the cache, then the
+// seqlen_new appended ones.
+struct DecodeLengths {
+  int cache;  // keys read from the cache
+  int total;  // keys attended: cache + seqlen_new
+};
+
+JFLASH_HOST_DEVICE DecodeLengths decode_lengths(const DecodeParams& p, int batch) {
+  const int most = decode_capacity(p) - p.seqlen_new;
+  int cache = load_int32(p.cache_seqlens + batch);
+  cache = cache < 0 ? 0 : (cache > most ? most : cache);
+  return {cache, cache + p.seqlen_new};
+}
+
+// The band of sequence b: causal and the window aligned to its own length.
+JFLASH_HOST_DEVICE MaskParams decode_band(const DecodeParams& p, int seqlen_k) {
+  return bottom_right_band(p.seqlen_q, seqlen_k, p.window_left, p.window_right);
+}
+
+// Element offset of cache row `position` (< capacity) of sequence b at kv
+// head 0: its block through the block table, whose ids are clamped to the
+// cache's blocks.
+JFLASH_HOST_DEVICE int64_t cache_row_offset(const DecodeParams& p, int batch, int position) {
+  const int index = position / p.block_size;
+  int block = batch;
+  if (p.block_table != nullptr) {
+    block = load_int32(p.block_table + int64_t{batch} * p.max_blocks_per_seq + index);
+    block = block < 0 ? 0 : (block >= p.num_cache_blocks ? p.num_cache_blocks - 1 : block);
+  }
+  return block * p.cache_block_stride + int64_t{position - index * p.block_size} * p.cache_row_stride;
+}
+
+// The rows of a kv head's tile are its group's query heads times the queries,
+// query-major: row m is query m / heads_per_kv of query head
+// kv_head * heads_per_kv + m % heads_per_kv. Every row of the tile reads the
+// same K and V, so each byte of the cache is read once per kv head.
+JFLASH_HOST_DEVICE int decode_rows(const DecodeParams& p) { return p.heads_per_kv * p.seqlen_q; }
+
+// Tiles [first, end) of a key range, cut into num_splits runs of equal length
+// (the last ones may be short or empty): split `split`'s run.
+struct TileSpan {
+  int begin;
+  int end;  // empty when begin >= end
+};
+
+JFLASH_HOST_DEVICE TileSpan split_tiles(int first, int end, int split, int num_splits) {
+  const int per = (end - first + num_splits - 1) / num_splits;
+  const int begin = first + split * per;
+  const int last = begin + per < end ? begin + per : end;
+  return {begin < last ? begin : last, last};
+}
+
+// num_splits for `units` work units (batch x kv heads x row blocks) of which
+// `slots` run at once (SMs x CTAs per SM, or CPU threads), over caches of
+// `capacity` keys: 1 where the units fill most of a wave; otherwise the split
+// count whose units * splits fill the waves they take best (ties: fewer
+// splits, less to combine), each split at least kMinDecodeSplitKeys keys.
+// The capacity, not each sequence's length (device data), bounds the splits:
+// the kernels cut each sequence's own key range into num_splits.
+inline int decode_num_splits(int64_t units, int64_t slots, int64_t capacity) {
+  if (units <= 0 || slots <= 0 || units * 5 >= slots * 4) return 1;
+  int64_t most = (capacity + kMinDecodeSplitKeys - 1) / kMinDecodeSplitKeys;
+  most = most < 1 ? 1 : (most > kMaxDecodeSplits ? kMaxDecodeSplits : most);
+  int best_splits = 1;
+  double best = 0.0;
+  for (int64_t splits = 1; splits <= most; ++splits) {
+    const int64_t ctas = units * splits;
+    const int64_t waves = (ctas + slots - 1) / slots;
+    const double efficiency = static_cast<double>(ctas) / static_cast<double>(waves * slots);
+    if (efficiency > best * 1.01) {
+      best = efficiency;
+      best_splits = static_cast<int>(splits);
+    }
+  }
+  return best_splits;
+}
+
+}  // namespace jflash
