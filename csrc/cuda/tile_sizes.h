@@ -259,7 +259,11 @@ struct Sm90BwdTile {
 // Q and dO) + 2 * block_m * block_n * 2 bytes (dS, two buffers; P^T as well
 // with p_ds_shared) + dq_buffers * block_m * head_dim * 4 bytes (the float32
 // dQ tile on its way to L2).
-constexpr Sm90BwdTile sm90_bwd_tile(int head_dim) {
+//
+// Keyed by mask kind as well (each instantiation reads the entry of its own
+// kind): under a band the blocks the diagonal cuts are computed whole, so
+// larger query blocks waste more there.
+constexpr Sm90BwdTile sm90_bwd_tile(int head_dim, [[maybe_unused]] MaskKind mask) {
   switch (head_dim) {
     // 224 KB. block_m 128 against 64: forward+backward +13-16% unmasked, +9%
     // causal (H100, seq 4k and 16k), for a 20-byte spill.
@@ -286,7 +290,7 @@ constexpr bool segment_block_divides_tiles() {
     for (const Sm90FwdTile& t : {sm90_fwd_tile(d), sm90_fwd_tile_short_band(d)}) {
       if (t.block_m % kSegmentBlock || t.block_n % kSegmentBlock) return false;
     }
-    const Sm90BwdTile t = sm90_bwd_tile(d);
+    const Sm90BwdTile t = sm90_bwd_tile(d, MaskKind::kSegments);
     if (t.block_m % kSegmentBlock || t.block_n % kSegmentBlock) return false;
   }
   return true;

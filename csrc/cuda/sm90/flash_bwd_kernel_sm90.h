@@ -543,7 +543,7 @@ inline bool tma_compatible_bwd(const BwdParams& p) {
 
 template <typename Element, int kHeadDim, typename Mask>
 cudaError_t run_flash_bwd_sm90(const BwdParams& call_params, const LaunchContext& ctx) {
-  using Traits = BwdTraitsSm90<Element, kHeadDim>;
+  using Traits = BwdTraitsSm90<Element, kHeadDim, Mask::kKind>;
   using Scheduler = BwdSchedulerSm90<Traits::kBlockM, Traits::kBlockN, Mask>;
   BwdParams params = call_params;
   params.head_splits = Scheduler::head_splits(params, ctx.sm_count, ctx.bwd_head_splits);

@@ -1,7 +1,7 @@
 // The Hopper backward's compile-time shapes: tile, wgmma atoms, shared-memory
 // layouts (and their transposed views), TMA types and shared storage, all
-// derived from one entry of the tile table (tile_sizes.h: sm90_bwd_tile), and
-// the kernel's arguments.
+// derived from one entry of the tile table (tile_sizes.h: sm90_bwd_tile, per
+// head dim and mask kind), and the kernel's arguments.
 #pragma once
 
 #include <cstdint>
@@ -11,17 +11,18 @@
 #include <cutlass/numeric_types.h>
 
 #include "cuda/tile_sizes.h"
+#include "jflash/mask.h"
 #include "jflash/params.h"
 
 namespace jflash::cuda::sm90 {
 
 using namespace cute;
 
-template <typename Element_, int kHeadDim_>
+template <typename Element_, int kHeadDim_, MaskKind kMaskKind>
 struct BwdTraitsSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr Sm90BwdTile kTile = sm90_bwd_tile(kHeadDim);
+  static constexpr Sm90BwdTile kTile = sm90_bwd_tile(kHeadDim, kMaskKind);
   static_assert(kTile.block_m > 0, "no sm90 backward tile for this head dim");
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
