@@ -250,6 +250,13 @@ struct Sm90BwdTile {
   int q_stages;  // buffers of the Q and dO tiles (the next steps' load ahead)
   bool p_ds_shared = false;  // the column split above
   int dq_buffers = 2;        // dQ staging buffers per consumer
+  // The dQ product's orientation. false: dQ = dS K, M = block_m (a multiple
+  // of 64, wgmma's M), the consumers split its head-dim columns. true: dQ^T =
+  // K^T dS^T, M = the head-dim rows (64 per consumer), N = block_m, so that
+  // block_m need only be a multiple of 16; each consumer's dQ^T slice is
+  // stored transposed into its staging buffer, which keeps the [rows,
+  // head_dim] layout that the TMA reduce-add reads.
+  bool dq_transposed = false;
 };
 
 // registers per consumer thread: dK and dV accumulators (above), S^T and dP^T
