@@ -604,8 +604,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // (traits: SmemLayoutdQt). Its values come in blocks of 8 query rows
       // (columns), each (2 columns, 2 rows), and the buffer's swizzle repeats
       // every 8 rows: the addresses of the first block plus an immediate per
-      // block. (Each address computed alone, the compiler kept all 40 live
-      // and spilled.)
+      // block. (Each address computed alone, the compiler hoisted all 40 out
+      // of the loop, 40 registers.)
       // The swizzle acts on byte addresses (bits [num_base, num_base +
       // num_bits) ^= the num_bits bits num_shft above them).
       using DqSwizzle = decltype(get_swizzle_portion(typename Traits::SmemLayoutdQ{}));
