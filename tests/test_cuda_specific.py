@@ -2,7 +2,7 @@
 
 The general suite (test_flash_attention.py, ...) already runs on the GPU when
 one is present. These add what is specific to the CUDA tiling: lengths around
-the tile sizes of csrc/cuda/tile_sizes.h (block_m 64/128, block_n 64/128),
+the tile sizes of csrc/cuda/tile_sizes.h (block_m 64/80/128, block_n 64/128),
 bands whose edges cut tiles, GQA groups summed inside the backward kernel,
 fully masked rows next to visible ones in one tile, and the error a build
 without an instantiation must give.
@@ -93,6 +93,11 @@ CASES = [
     (2, 1000, 1025, 8, 2, 128, -1000, 1025 - 1000),
     (1, 513, 385, 8, 2, 64, None, None),
     (1, 700, 700, 4, 1, 128, -150, 40),  # window: each key block visits a few query blocks
+    # Unmasked head dim 128 steps 80 query rows (dQ computed transposed, one
+    # dQ staging buffer): a last block of one row, GQA; three whole blocks of
+    # 80 (not a multiple of 64), MQA, a last key block of one key.
+    (1, 161, 300, 4, 2, 128, None, None),
+    (2, 240, 257, 4, 1, 128, None, None),
     # Head dim 256: 64 keys per CTA shared by both consumers (P^T and dS^T
     # through shared memory), one Q/dO buffer and one dQ staging buffer.
     (2, 1000, 1025, 8, 2, 256, -1000, 1025 - 1000),
@@ -471,6 +476,7 @@ def test_repeatable(rng):
 DETERMINISTIC_CASES = [
     (2, 2048, 2048, 8, 2, 128, None, None),
     (1, 1500, 2000, 8, 8, 128, -1500, 2000 - 1500),  # bottom-right causal
+    (1, 1001, 777, 8, 2, 128, None, None),  # 80-row steps: a last block of 41 rows
     (1, 1000, 1000, 8, 1, 64, -300, 20),  # window, MQA
     (1, 777, 1025, 16, 4, 128, -700, 30),  # window; a last key block of one key
     (1, 1024, 1536, 4, 2, 256, None, None),
@@ -662,6 +668,8 @@ def test_sm80_forward_on_hopper():
 # key, several batches, a last key block of one key, MQA.
 HEAD_SPLIT_CASES = [
     (2, 1000, 1025, 8, 2, 128, -1000, 1025 - 1000),
+    (2, 1000, 1025, 8, 2, 128, None, None),  # unmasked: 80-row steps, a last block of 40
+    (1, 161, 385, 16, 1, 128, None, None),  # MQA; a last block of one row
     (1, 513, 385, 8, 1, 64, None, None),
     (1, 700, 700, 16, 2, 128, -150, 40),
     (3, 1500, 700, 16, 4, 128, -1500, 700 - 1500),

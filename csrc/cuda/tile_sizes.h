@@ -250,6 +250,13 @@ struct Sm90BwdTile {
   int q_stages;  // buffers of the Q and dO tiles (the next steps' load ahead)
   bool p_ds_shared = false;  // the column split above
   int dq_buffers = 2;        // dQ staging buffers per consumer
+  // The dQ product's orientation. false: dQ = dS K, M = block_m (a multiple
+  // of 64, wgmma's M), the consumers split its head-dim columns. true: dQ^T =
+  // K^T dS^T, M = the head-dim rows (64 per consumer), N = block_m, so that
+  // block_m need only be a multiple of 16; each consumer's dQ^T slice is
+  // stored transposed into its staging buffer, which keeps the [rows,
+  // head_dim] layout that the TMA reduce-add reads.
+  bool dq_transposed = false;
 };
 
 // registers per consumer thread: dK and dV accumulators (above), S^T and dP^T
@@ -259,12 +266,25 @@ struct Sm90BwdTile {
 // Q and dO) + 2 * block_m * block_n * 2 bytes (dS, two buffers; P^T as well
 // with p_ds_shared) + dq_buffers * block_m * head_dim * 4 bytes (the float32
 // dQ tile on its way to L2).
-constexpr Sm90BwdTile sm90_bwd_tile(int head_dim) {
+//
+// Keyed by mask kind as well (each instantiation reads the entry of its own
+// kind): under a band the blocks the diagonal cuts are computed whole, so
+// larger query blocks waste more there.
+constexpr Sm90BwdTile sm90_bwd_tile(int head_dim, MaskKind mask) {
   switch (head_dim) {
     // 224 KB. block_m 128 against 64: forward+backward +13-16% unmasked, +9%
     // causal (H100, seq 4k and 16k), for a 20-byte spill.
     case 64: return {128, 128, 2};
-    case 128: return {64, 128, 2};  // 224 KB
+    // Unmasked: 80 query rows per step do 25% more tensor work than 64 for
+    // about the same fixed costs per step (predicted, not yet measured:
+    // docs/hopper_backward.md, "Pending: 80 query rows"). wgmma's M is 64,
+    // so dQ is computed transposed; one dQ staging buffer per consumer is
+    // what fits: K, V 64 KB, Q, dO 80 KB, dS 40 KB, dQ 40 KB = 224 KB. Bands
+    // and segment ids keep 64 rows (224 KB; FlashAttention-3 keeps 64 for
+    // causal calls too).
+    case 128:
+      return mask == MaskKind::kNone ? Sm90BwdTile{80, 128, 2, false, 1, true}
+                                     : Sm90BwdTile{64, 128, 2};
     // 225 KB: one Q/dO stage and one dQ buffer are what fit beside 64 keys'
     // K and V and the P^T and dS buffers.
     case 256: return {64, 64, 1, true, 1};
@@ -321,7 +341,7 @@ constexpr bool segment_block_divides_tiles() {
     for (const Sm90FwdTile& t : {sm90_fwd_tile(d), sm90_fwd_tile_short_band(d)}) {
       if (t.block_m % kSegmentBlock || t.block_n % kSegmentBlock) return false;
     }
-    const Sm90BwdTile t = sm90_bwd_tile(d);
+    const Sm90BwdTile t = sm90_bwd_tile(d, MaskKind::kSegments);
     if (t.block_m % kSegmentBlock || t.block_n % kSegmentBlock) return false;
   }
   return true;

@@ -16,6 +16,8 @@
 //   dK  += dS^T Q                   (wgmma, dS^T from registers)
 //   dQ   = dS K                     (wgmma, dS from shared memory), added into
 //                                    the float32 dq_accum by a TMA reduce-add
+//                                    (dQ^T = K^T dS^T where block_m is not a
+//                                    multiple of wgmma's M: kDqTransposed)
 //
 // Computing S^T and dP^T (keys along M) rather than S and dP leaves P^T and
 // dS^T in the accumulator layout that is the register A operand of the dV and
@@ -137,6 +139,48 @@ __device__ __forceinline__ void write_dq(const BwdArgsSm90<Traits>& args,
   }
 }
 
+// A step's lse or delta for the query columns of a thread's S^T accumulator,
+// spread over the lanes that share them (Traits::kTightRegisters). The kCols
+// columns of a thread are a pair of adjacent ones in each 8-column block,
+// the same pairs for the 8 lanes of a warp with equal lane % 4 (the wgmma
+// accumulator layout). Each of those lanes reads the pairs of every 8th
+// block, starting at block lane / 4, and a use fetches its value from the
+// lane that read it: ceil(kCols / 16) register pairs instead of kCols
+// registers, for a shuffle per use.
+template <int kCols>
+struct SharedColumnStat {
+  static constexpr int kBlocks = kCols / 2;
+  static constexpr int kHeld = (kBlocks + 7) / 8;
+  float2 held[kHeld];
+
+  // stat: the step's buffer (one value per query row of the tile); cols:
+  // the (key, query row) coordinates of the thread's accumulator as (rows,
+  // cols).
+  template <typename Coords>
+  __device__ __forceinline__ void load(const float* stat, const Coords& cols, int lane) {
+    CUTE_UNROLL
+    for (int k = 0; k < kHeld; ++k) {
+      const int block = lane / 4 + 8 * k;
+      held[k] = block < kBlocks
+                    ? *reinterpret_cast<const float2*>(stat + get<1>(cols(0, 2 * block)))
+                    : make_float2(0.f, 0.f);
+    }
+  }
+  // The value of the thread's column kC, from lane kC / 2 % 8 * 4 + lane % 4:
+  // shfl's segment mask (bits 8-12 of its third operand) keeps the two low
+  // bits of the lane, so the source is an immediate.
+  template <int kC>
+  __device__ __forceinline__ float at() const {
+    constexpr int kBlock = kC / 2;
+    const float2 v = held[kBlock / 8];
+    float out;
+    asm volatile("shfl.sync.idx.b32 %0, %1, %2, 0x31f, 0xffffffff;"
+                 : "=f"(out)
+                 : "f"(kC % 2 ? v.y : v.x), "n"(kBlock % 8 * 4));
+    return out;
+  }
+};
+
 template <typename Traits, typename Mask>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ BwdArgsSm90<Traits> args) {
@@ -254,8 +298,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
   Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stage)
   Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);    // (MMA, MMA_M, MMA_K, buffer)
-  Tensor tdQrK = thr_dq.partition_fragment_B(sKt);     // (MMA, MMA_N, MMA_K)
+  // dQ = dS K: dS is A, K^T B; dQ^T = K^T dS^T: the other way round.
+  // (MMA, MMA_M or MMA_N, MMA_K, buffer) and (MMA, MMA_N or MMA_M, MMA_K)
+  Tensor tdQrdS = [&] {
+    if constexpr (Traits::kDqTransposed) return thr_dq.partition_fragment_B(sdS);
+    else return thr_dq.partition_fragment_A(sdS);
+  }();
+  Tensor tdQrK = [&] {
+    if constexpr (Traits::kDqTransposed) return thr_dq.partition_fragment_A(sKt);
+    else return thr_dq.partition_fragment_B(sKt);
+  }();
 
   typename Traits::SmemCopydS smem_copy_ds;
   auto thr_copy_ds = smem_copy_ds.get_thread_slice(tidx);
@@ -264,9 +316,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // This consumer's dQ staging buffers, and its slice of the (block_m x
   // head_dim) dQ tile as the dQ product's accumulator partition sees it.
   const int consumer = tidx / 128;
-  Tensor sdQ = make_tensor(make_smem_ptr(smem.dq.begin()), typename Traits::SmemLayoutdQ{});
   // (MMA, MMA_M, MMA_N, buffer), as acc_dq
-  Tensor tdQsdQ = thr_dq.partition_C(group_modes<1, 3>(sdQ));
+  Tensor tdQsdQ = [&] {
+    if constexpr (Traits::kDqTransposed) {
+      return thr_dq.partition_C(
+          make_tensor(make_smem_ptr(smem.dq.begin()), typename Traits::SmemLayoutdQt{}));
+    } else {
+      Tensor sdQ = make_tensor(make_smem_ptr(smem.dq.begin()), typename Traits::SmemLayoutdQ{});
+      return thr_dq.partition_C(group_modes<1, 3>(sdQ));
+    }
+  }();
 
   // dK and dV of this consumer's 64 keys, summed over every step.
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
@@ -285,7 +344,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // The per-element test, built before the loop: its barriers and fences
   // would make the compiler reload the bounds per step.
   const auto visible = mask.template element_test<int>();
-  const bool warp_leader = tidx % 32 == 0;
+  const int lane = tidx % 32;
+  const bool warp_leader = lane == 0;
   // Named barrier (CUTLASS numbering, past its reserved ones): both
   // consumers' dS^T rows are in shared memory.
   constexpr uint32_t kDsBarrier = 1;
@@ -405,8 +465,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                   mask.tile_class(row0, min(row0 + kBlockM, params.seqlen_q), key0,
                                   key0 + kBlockN) != TileClass::kFull;
     float lse_log2[kCols];  // of this thread's query rows (columns)
-    CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) lse_log2[c] = smem.lse_log2[buffer][get<1>(cS_rc(0, c))];
+    if constexpr (Traits::kTightRegisters) {
+      SharedColumnStat<kCols> stat;
+      stat.load(smem.lse_log2[buffer], cS_rc, lane);
+      for_each(make_int_sequence<kCols>{}, [&](auto c) { lse_log2[c] = stat.template at<c>(); });
+    } else {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) lse_log2[c] = smem.lse_log2[buffer][get<1>(cS_rc(0, c))];
+    }
     const int key_limit =
         static_cast<int>(mask.band().keys_of_rows(0, params.seqlen_q, params.seqlen_k).end);
     CUTE_UNROLL
@@ -426,7 +492,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         s_rc(r, c) = p;
       }
     }
-    // dV += P^T dO   (block_n x head_dim), issued while dS^T is computed.
+    // dV += P^T dO   (block_n x head_dim), issued while dS^T is computed
+    // (with Traits::kTightRegisters after dK's product instead, below).
     if constexpr (Traits::kPdSShared) {
       // This consumer's P^T columns into shared memory; once both are there,
       // the product over all of them for this consumer's head-dim columns.
@@ -437,7 +504,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kPBarrier);
       Tensor tdVsPt = thr_dkv.partition_fragment_A(sPt);  // (MMA, MMA_M, MMA_K, buffer)
       wgmma_issue<false>(mma_dkv, tdVsPt(_, _, _, buffer), tdVrdO(_, _, _, stage), acc_dv);
-    } else {
+    } else if constexpr (!Traits::kTightRegisters) {
       Tensor tdVrP = make_tensor<Element>(acc_as_a_operand(acc_s.layout()));
       Tensor p = convert_fragment<Element>(acc_s);
       Tensor dst = make_tensor(tdVrP.data(), acc_s.layout());
@@ -449,12 +516,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // dS^T = P^T * (dP^T - delta); 0 where P was masked (dP - delta may be
     // NaN there: a NaN in v, or a NaN row's delta).
-    warpgroup_wait<1>();  // dP^T done; dV may still run
+    warpgroup_wait<Traits::kTightRegisters ? 0 : 1>();  // dP^T done; dV may still run
     warpgroup_fence_operand(acc_dp);
     Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
     float delta[kCols];
-    CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) delta[c] = smem.delta[buffer][get<1>(cS_rc(0, c))];
+    if constexpr (Traits::kTightRegisters) {
+      SharedColumnStat<kCols> stat;
+      stat.load(smem.delta[buffer], cS_rc, lane);
+      for_each(make_int_sequence<kCols>{}, [&](auto c) { delta[c] = stat.template at<c>(); });
+    } else {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) delta[c] = smem.delta[buffer][get<1>(cS_rc(0, c))];
+    }
     // P's sign bit is set only where masked (-0; exp2 gives +0 and positive
     // NaNs): spread into a mask, it clears dS there. Unmasked tiles have no
     // -0, so the mask is all ones; the two integer operations cost less than a
@@ -480,10 +553,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       warpgroup_fence_operand(tdKrdS);
       wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), acc_dk);
     }
+    if constexpr (Traits::kTightRegisters) {
+      // dV += P^T dO, P^T converted only now: its 16-bit copy (the product's
+      // register operand) then never lives beside dP^T in float32.
+      Tensor tdVrP = make_tensor<Element>(acc_as_a_operand(acc_s.layout()));
+      Tensor p = convert_fragment<Element>(acc_s);
+      Tensor dst = make_tensor(tdVrP.data(), acc_s.layout());
+      CUTE_UNROLL
+      for (int i = 0; i < size(p); ++i) dst(i) = p(i);
+      warpgroup_fence_operand(tdVrP);
+      wgmma_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage), acc_dv);
+    }
 
-    // dQ = dS K   (block_m x this consumer's head-dim columns), once both
-    // consumers' dS^T rows are visible to the tensor cores (and, with
-    // kPdSShared, dK += dS^T Q for its head-dim columns).
+    // dQ = dS K   (block_m x this consumer's head-dim columns; with
+    // kDqTransposed its transpose, K^T dS^T), once both consumers' dS^T rows
+    // are visible to the tensor cores (and, with kPdSShared, dK += dS^T Q for
+    // its head-dim columns).
     if (next_row_stat) store_row_stat(step + 1, row_stat);
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsBarrier);
@@ -491,8 +576,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       Tensor tdKsdSt = thr_dkv.partition_fragment_A(sdSt);  // (MMA, MMA_M, MMA_K, buffer)
       wgmma_issue<false>(mma_dkv, tdKsdSt(_, _, _, buffer), tdKrQ(_, _, _, stage), acc_dk);
     }
-    Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrK, acc_dq);
+    Tensor acc_dq = partition_fragment_C(mma_dq, typename Traits::dQAccShape{});
+    if constexpr (Traits::kDqTransposed) {
+      wgmma_issue<true>(mma_dq, tdQrK, tdQrdS(_, _, _, buffer), acc_dq);
+    } else {
+      wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrK, acc_dq);
+    }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dv);
     warpgroup_fence_operand(acc_dk);
@@ -509,12 +598,42 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // address hides the state space).
     const RingSlot<Traits::kDqBuffers> dq_slot(step);
     EmptyBarrier::wait(&smem.dq_empty[consumer][dq_slot.stage], dq_slot.phase ^ 1);
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dq); i += 2) {
-      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(
-                       cast_smem_ptr_to_uint(&tdQsdQ(_, _, _, dq_slot.stage)(i))),
-                   "f"(acc_dq(i)), "f"(acc_dq(i + 1))
-                   : "memory");
+    if constexpr (Traits::kDqTransposed) {
+      // Transposed into the [rows, head_dim] buffer: a thread's two adjacent
+      // accumulator columns are two query rows, so one float per store
+      // (traits: SmemLayoutdQt). Its values come in blocks of 8 query rows
+      // (columns), each (2 columns, 2 rows), and the buffer's swizzle repeats
+      // every 8 rows: the addresses of the first block plus an immediate per
+      // block. (Each address computed alone, the compiler hoisted all 40 out
+      // of the loop, 40 registers.)
+      // The swizzle acts on byte addresses (bits [num_base, num_base +
+      // num_bits) ^= the num_bits bits num_shft above them).
+      using DqSwizzle = decltype(get_swizzle_portion(typename Traits::SmemLayoutdQ{}));
+      constexpr auto dq_plain = get_nonswizzle_portion(typename Traits::SmemLayoutdQ{});
+      constexpr int kBlockBytes = (dq_plain(8, 0, 0, 0) - dq_plain(0, 0, 0, 0)) * sizeof(float);
+      static_assert(kBlockBytes % (1 << (DqSwizzle::num_bits + DqSwizzle::num_base +
+                                         DqSwizzle::num_shft)) ==
+                    0);
+      static_assert(decltype(size<0, 0>(acc_dq))::value == 2 &&
+                    decltype(size<0, 1>(acc_dq))::value == 2);
+      uint32_t dq_addr[4];
+      CUTE_UNROLL
+      for (int r = 0; r < 4; ++r) {
+        dq_addr[r] = cast_smem_ptr_to_uint(&tdQsdQ(_, _, _, dq_slot.stage)(r));
+      }
+      for_each(make_int_sequence<decltype(size(acc_dq))::value>{}, [&](auto i) {
+        asm volatile("st.shared.f32 [%0+%2], %1;" ::"r"(dq_addr[i % 4]), "f"(acc_dq(i)),
+                     "n"(decltype(i)::value / 4 * kBlockBytes)
+                     : "memory");
+      });
+    } else {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dq); i += 2) {
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(
+                         cast_smem_ptr_to_uint(&tdQsdQ(_, _, _, dq_slot.stage)(i))),
+                     "f"(acc_dq(i)), "f"(acc_dq(i + 1))
+                     : "memory");
+      }
     }
     tma_store_fence();  // this thread's generic-proxy writes, visible to TMA
     __syncwarp();
@@ -543,7 +662,7 @@ inline bool tma_compatible_bwd(const BwdParams& p) {
 
 template <typename Element, int kHeadDim, typename Mask>
 cudaError_t run_flash_bwd_sm90(const BwdParams& call_params, const LaunchContext& ctx) {
-  using Traits = BwdTraitsSm90<Element, kHeadDim>;
+  using Traits = BwdTraitsSm90<Element, kHeadDim, Mask::kKind>;
   using Scheduler = BwdSchedulerSm90<Traits::kBlockM, Traits::kBlockN, Mask>;
   BwdParams params = call_params;
   params.head_splits = Scheduler::head_splits(params, ctx.sm_count, ctx.bwd_head_splits);

@@ -1,7 +1,7 @@
 // The Hopper backward's compile-time shapes: tile, wgmma atoms, shared-memory
 // layouts (and their transposed views), TMA types and shared storage, all
-// derived from one entry of the tile table (tile_sizes.h: sm90_bwd_tile), and
-// the kernel's arguments.
+// derived from one entry of the tile table (tile_sizes.h: sm90_bwd_tile, per
+// head dim and mask kind), and the kernel's arguments.
 #pragma once
 
 #include <cstdint>
@@ -9,19 +9,45 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
+// CuTe's wgmma shapes whose N is not a power of two or 96 / 192 (here N =
+// 80). Its op selectors offer them only when CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+// is defined for the whole translation unit; ss_op below picks them alone.
+// (About 5 s of parsing per translation unit: here, not in the forward's.)
+#include <cute/arch/mma_sm90_gmma_ext.hpp>
+#include <cute/atom/mma_traits_sm90_gmma_ext.hpp>
 
 #include "cuda/tile_sizes.h"
+#include "jflash/mask.h"
 #include "jflash/params.h"
 
 namespace jflash::cuda::sm90 {
 
 using namespace cute;
 
-template <typename Element_, int kHeadDim_>
+// The wgmma atom of a product with both operands in shared memory and a
+// float32 accumulator: CuTe's selector, except for N = 80, which it would
+// split into five 64 x 16 atoms (five instructions, each reading A again).
+template <typename Element, typename TileShape, GMMA::Major kMajorA = GMMA::Major::K,
+          GMMA::Major kMajorB = GMMA::Major::K>
+constexpr auto ss_op() {
+  if constexpr (size<1>(TileShape{}) == 80) {
+    static_assert(size<2>(TileShape{}) % 16 == 0);
+    if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
+      return SM90::GMMA::MMA_64x80x16_F32BF16BF16_SS<kMajorA, kMajorB>{};
+    } else {
+      static_assert(std::is_same_v<Element, cutlass::half_t>);
+      return SM90::GMMA::MMA_64x80x16_F32F16F16_SS<kMajorA, kMajorB>{};
+    }
+  } else {
+    return GMMA::ss_op_selector<Element, Element, float, TileShape, kMajorA, kMajorB>();
+  }
+}
+
+template <typename Element_, int kHeadDim_, MaskKind kMaskKind>
 struct BwdTraitsSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr Sm90BwdTile kTile = sm90_bwd_tile(kHeadDim);
+  static constexpr Sm90BwdTile kTile = sm90_bwd_tile(kHeadDim, kMaskKind);
   static_assert(kTile.block_m > 0, "no sm90 backward tile for this head dim");
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
@@ -30,6 +56,11 @@ struct BwdTraitsSm90 {
   // shared memory) rather than the keys (tile_sizes.h, Sm90BwdTile).
   static constexpr bool kPdSShared = kTile.p_ds_shared;
   static constexpr int kDqBuffers = kTile.dq_buffers;
+  // dQ^T = K^T dS^T rather than dQ = dS K (tile_sizes.h, Sm90BwdTile).
+  static constexpr bool kDqTransposed = kTile.dq_transposed;
+  static_assert(kDqTransposed ? kBlockM % 16 == 0 : kBlockM % 64 == 0,
+                "block_m: wgmma's M (64) for dQ = dS K, its K step (16) for dV and dK");
+  static_assert(!(kDqTransposed && kPdSShared), "dQ^T is written for the key split only");
   // Two consumers: the register budget below assumes them.
   static constexpr int kConsumerWarpgroups = 2;
   static_assert(kBlockN == (kPdSShared ? 64 : 64 * kConsumerWarpgroups),
@@ -49,10 +80,27 @@ struct BwdTraitsSm90 {
   // Each consumer's share of N in the S^T, dP^T and the dV, dK products.
   static constexpr int kSdPCols = kPdSShared ? kBlockM / kConsumerWarpgroups : kBlockM;
   static constexpr int kdKVCols = kPdSShared ? kHeadDim / kConsumerWarpgroups : kHeadDim;
+  // Registers per consumer thread at the peak of a step, besides the row
+  // statistics and the loop's own state: dK and dV (kdKVCols floats), S^T
+  // and dP^T (kSdPCols / 2 floats each; one is in flight while the other is
+  // used) and kSdPCols / 4 more, P^T's 16-bit copy, which dV += P^T dO reads
+  // while dS^T is computed. 208 at head dim 128 and block_m 64, 224 at head
+  // dim 64 and block_m 128, 228 at head dim 128 and block_m 80. (With
+  // kPdSShared, P^T goes through shared memory.)
+  static constexpr int kPeakRegisters = kdKVCols + kSdPCols + kSdPCols / 4;
+  // Past 240 - 16 (16 for addresses, indices and the next step's row
+  // statistic), a step is ordered for registers rather than overlap: dV +=
+  // P^T dO is issued after dK += dS^T Q instead of before dS^T is computed,
+  // and the lse and delta of a thread's query columns are spread over the 8
+  // lanes that share them (SharedColumnStat in the kernel: a shuffle per use
+  // instead of kSdPCols / 4 registers each). ptxas at block_m 80: 24 bytes
+  // of spill with dV issued between dS^T and dK, 12 to 16 with the shared lse
+  // and delta as well, 8 with dV after dK alone, none with both.
+  static constexpr bool kTightRegisters =
+      !kPdSShared && kPeakRegisters > kConsumerRegisters - 16;
   // S^T = K Q^T, dP^T = V dO^T: M = block_n, N = block_m, K = head_dim; both K-major.
   using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kSdPCols>, Int<kHeadDim>>>(),
-      ConsumerSplit{}));
+      ss_op<Element, Shape<_64, Int<kSdPCols>, Int<kHeadDim>>>(), ConsumerSplit{}));
   // dV += P^T dO, dK += dS^T Q: M = block_n, N = head_dim, K = block_m; B (dO,
   // Q as head_dim x block_m) MN-major: head_dim is contiguous. A from
   // registers, or with kPdSShared from the P^T and dS^T buffers (K-major: the
@@ -68,11 +116,29 @@ struct BwdTraitsSm90 {
       ConsumerSplit{}));
   // dQ = dS K: M = block_m, N = head_dim, K = block_n; dS stored with the
   // query rows contiguous and K read as head_dim x block_n: both MN-major.
-  using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float,
-                           Shape<Int<kBlockM>, Int<kHeadDim / kConsumerWarpgroups>, Int<kBlockN>>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
-      AlongN{}));
+  // The consumers split N (head-dim columns).
+  // dQ^T = K^T dS^T: M = head_dim, N = block_m, K = block_n; the same two
+  // views of K and dS as A and B, both MN-major still (wgmma transposes
+  // 16-bit operands in shared memory). The consumers split M (head-dim rows).
+  static constexpr auto make_tiled_mma_dq() {
+    if constexpr (kDqTransposed) {
+      return make_tiled_mma(
+          ss_op<Element, Shape<_64, Int<kBlockM>, Int<kBlockN>>, GMMA::Major::MN,
+                GMMA::Major::MN>(),
+          AlongM{});
+    } else {
+      return make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, float,
+                               Shape<Int<kBlockM>, Int<kHeadDim / kConsumerWarpgroups>,
+                                     Int<kBlockN>>,
+                               GMMA::Major::MN, GMMA::Major::MN>(),
+          AlongN{});
+    }
+  }
+  using TiledMmadQ = decltype(make_tiled_mma_dq());
+  // The dQ accumulator's (M, N): (block_m, head_dim), or its transpose.
+  using dQAccShape = std::conditional_t<kDqTransposed, Shape<Int<kHeadDim>, Int<kBlockM>>,
+                                        Shape<Int<kBlockM>, Int<kHeadDim>>>;
 
   // 128-byte swizzled layouts that both TMA and wgmma understand.
   using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
@@ -82,9 +148,15 @@ struct BwdTraitsSm90 {
   // dS (block_m x block_n), query rows contiguous, as the stmatrix of dS^T
   // from its accumulator layout writes it; two buffers, so that one consumer
   // may write the next step's dS while the other still reads this one. P^T
-  // with kPdSShared alike.
-  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                              Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  // with kPdSShared alike. The widest swizzle whose span of query rows (64,
+  // 32 or 16 of them) divides block_m: every one keeps stmatrix's eight
+  // 16-byte rows (keys) of a matrix in distinct banks.
+  using SmemLayoutdSAtom = std::conditional_t<
+      kBlockM % 64 == 0, GMMA::Layout_MN_SW128_Atom<Element>,
+      std::conditional_t<kBlockM % 32 == 0, GMMA::Layout_MN_SW64_Atom<Element>,
+                         GMMA::Layout_MN_SW32_Atom<Element>>>;
+  using SmemLayoutdS =
+      decltype(tile_to_shape(SmemLayoutdSAtom{}, Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
   // Transposed views of the same memory (element (d, m) of Q^T is (m, d) of Q).
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
@@ -109,6 +181,16 @@ struct BwdTraitsSm90 {
   using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{},
                                               Shape<Int<kBlockM>, Int<kDqCols>,
                                                     Int<kConsumerWarpgroups>, Int<kDqBuffers>>{}));
+  // The staging buffers as the transposed dQ^T accumulator sees them: element
+  // (d, m, buffer) is (m, d % kDqCols, d / kDqCols, buffer) of SmemLayoutdQ,
+  // so each consumer's head-dim rows land in its own slice. A thread's
+  // accumulator pairs are adjacent query rows, 128 bytes apart here, so they
+  // are stored one float at a time; a warp's store then covers 4 query rows
+  // (one per lane % 4) by 8 head-dim columns (one per lane / 4), and the
+  // swizzle (16-byte chunk ^= row % 8) spreads those over all 32 banks.
+  using SmemLayoutdQt = decltype(composition(
+      SmemLayoutdQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kDqBuffers>>{},
+                                  Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
 
   // Global views the TMA descriptors are built from, [seq, head_dim, heads, batch].
   using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
