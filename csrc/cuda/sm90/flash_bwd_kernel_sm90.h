@@ -181,6 +181,22 @@ struct SharedColumnStat {
   }
 };
 
+// out[c] = stat[query row of the thread's column c], for a step's lse or
+// delta: spread over the lanes (SharedColumnStat) where kShared, else kCols
+// loads.
+template <bool kShared, int kCols, typename Coords>
+__device__ __forceinline__ void load_column_stat(float (&out)[kCols], const float* stat,
+                                                 const Coords& cols, int lane) {
+  if constexpr (kShared) {
+    SharedColumnStat<kCols> shared;
+    shared.load(stat, cols, lane);
+    for_each(make_int_sequence<kCols>{}, [&](auto c) { out[c] = shared.template at<c>(); });
+  } else {
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) out[c] = stat[get<1>(cols(0, c))];
+  }
+}
+
 template <typename Traits, typename Mask>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ BwdArgsSm90<Traits> args) {
@@ -465,14 +481,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                   mask.tile_class(row0, min(row0 + kBlockM, params.seqlen_q), key0,
                                   key0 + kBlockN) != TileClass::kFull;
     float lse_log2[kCols];  // of this thread's query rows (columns)
-    if constexpr (Traits::kTightRegisters) {
-      SharedColumnStat<kCols> stat;
-      stat.load(smem.lse_log2[buffer], cS_rc, lane);
-      for_each(make_int_sequence<kCols>{}, [&](auto c) { lse_log2[c] = stat.template at<c>(); });
-    } else {
-      CUTE_UNROLL
-      for (int c = 0; c < kCols; ++c) lse_log2[c] = smem.lse_log2[buffer][get<1>(cS_rc(0, c))];
-    }
+    load_column_stat<Traits::kTightRegisters>(lse_log2, smem.lse_log2[buffer], cS_rc, lane);
     const int key_limit =
         static_cast<int>(mask.band().keys_of_rows(0, params.seqlen_q, params.seqlen_k).end);
     CUTE_UNROLL
@@ -520,14 +529,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     warpgroup_fence_operand(acc_dp);
     Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
     float delta[kCols];
-    if constexpr (Traits::kTightRegisters) {
-      SharedColumnStat<kCols> stat;
-      stat.load(smem.delta[buffer], cS_rc, lane);
-      for_each(make_int_sequence<kCols>{}, [&](auto c) { delta[c] = stat.template at<c>(); });
-    } else {
-      CUTE_UNROLL
-      for (int c = 0; c < kCols; ++c) delta[c] = smem.delta[buffer][get<1>(cS_rc(0, c))];
-    }
+    load_column_stat<Traits::kTightRegisters>(delta, smem.delta[buffer], cS_rc, lane);
     // P's sign bit is set only where masked (-0; exp2 gives +0 and positive
     // NaNs): spread into a mask, it clears dS there. Unmasked tiles have no
     // -0, so the mask is all ones; the two integer operations cost less than a
