@@ -110,15 +110,9 @@ JFLASH_INLINE void decode_block(const DecodeParams& p, int64_t task_index) {
   const int64_t key_begin = std::max<int64_t>(keys.begin, int64_t{span.begin} * block_k);
   const int64_t key_end = std::min<int64_t>(keys.end, int64_t{span.end} * block_k);
 
-  float* q_t = thread_scratch(3 * size_t(m_pad) + 2 * size_t(m_pad + block_k) * d_pad +
-                              size_t(block_k) * m_pad);  // [d_pad, m_pad]
-  float* k_tile = q_t + d_pad * m_pad;                    // [block_k, d_pad]
-  float* v_tile = k_tile + block_k * d_pad;               // [block_k, d_pad]
-  float* s_t = v_tile + block_k * d_pad;                  // [block_k, m_pad] scores, then P
-  float* o = s_t + block_k * m_pad;                       // [m_pad, d_pad] unnormalized out
-  float* row_max = o + m_pad * d_pad;                     // [m_pad]
-  float* row_sum = row_max + m_pad;                       // [m_pad]
-  float* row_rescale = row_sum + m_pad;                   // [m_pad]
+  const OnlineSoftmaxTiles tiles(
+      thread_scratch(OnlineSoftmaxTiles::floats(m_pad, d_pad, block_k)), m_pad, d_pad, block_k);
+  const auto [q_t, k_tile, v_tile, s_t, o, row_max, row_sum, row_rescale] = tiles;
 
   // q_t[c][r] = softmax_scale * q of row m0 + r (a query head of kv head kv).
   for (int r = 0; r < m_rows; ++r) {

@@ -27,15 +27,9 @@ JFLASH_INLINE void fwd_block(const FwdParams& params, int64_t task) {
   const int head_dim = params.head_dim;
   const int d_pad = padded_head_dim<T>(head_dim);
 
-  float* q_t = thread_scratch(3 * size_t(q_pad) + 2 * size_t(q_pad + block_k) * d_pad +
-                              size_t(block_k) * q_pad);  // [d_pad, q_pad]
-  float* k_tile = q_t + d_pad * q_pad;                    // [block_k, d_pad]
-  float* v_tile = k_tile + block_k * d_pad;               // [block_k, d_pad]
-  float* s_t = v_tile + block_k * d_pad;                  // [block_k, q_pad] scores, then P
-  float* o = s_t + block_k * q_pad;                       // [q_pad, d_pad] unnormalized out
-  float* row_max = o + q_pad * d_pad;                     // [q_pad]
-  float* row_sum = row_max + q_pad;                       // [q_pad]
-  float* row_rescale = row_sum + q_pad;                   // [q_pad]
+  const OnlineSoftmaxTiles tiles(
+      thread_scratch(OnlineSoftmaxTiles::floats(q_pad, d_pad, block_k)), q_pad, d_pad, block_k);
+  const auto [q_t, k_tile, v_tile, s_t, o, row_max, row_sum, row_rescale] = tiles;
 
   // q_t[c][i] = softmax_scale * q[q0 + i][c]: scaling q once scales every score.
   const TileRef q_ref{params.q, params.dtype,

@@ -291,6 +291,34 @@ JFLASH_INLINE void gemm(int rows, int cols, int depth, const float* a, int64_t a
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// One thread's working tiles of the online-softmax forward loop (the forward
+// and decode share it), carved from one block of floats: rows = the padded
+// query rows of the tile.
+struct OnlineSoftmaxTiles {
+  float* q_t;          // [d_pad, rows] softmax_scale * q, transposed
+  float* k_tile;       // [block_k, d_pad]
+  float* v_tile;       // [block_k, d_pad]
+  float* s_t;          // [block_k, rows] scores, then P
+  float* o;            // [rows, d_pad] unnormalized out
+  float* row_max;      // [rows]
+  float* row_sum;      // [rows]
+  float* row_rescale;  // [rows]
+
+  static size_t floats(int rows, int d_pad, int block_k) {
+    return 3 * size_t(rows) + 2 * size_t(rows + block_k) * d_pad + size_t(block_k) * rows;
+  }
+  // scratch: floats(rows, d_pad, block_k) floats.
+  OnlineSoftmaxTiles(float* scratch, int rows, int d_pad, int block_k)
+      : q_t(scratch),
+        k_tile(q_t + size_t(d_pad) * rows),
+        v_tile(k_tile + size_t(block_k) * d_pad),
+        s_t(v_tile + size_t(block_k) * d_pad),
+        o(s_t + size_t(block_k) * rows),
+        row_max(o + size_t(rows) * d_pad),
+        row_sum(row_max + rows),
+        row_rescale(row_sum + rows) {}
+};
+
 // Online softmax over one key tile, per query lane (Algorithm 1, lines 8-10):
 //   m' = max(m, max_j s_t[j]),  rescale = exp(m - m'),
 //   p_t[j] = exp(s_t[j] - m'),  l' = rescale * l + sum_j p_t[j].
