@@ -1,4 +1,4 @@
-// The ABI of jflash_fwd_v2 and jflash_bwd_v4, written once: arguments, results
+// The ABI of jflash_fwd_v3 and jflash_bwd_v5, written once: arguments, results
 // and attributes in the order jflash/_src/kernel_calls.py passes them. Each
 // platform passes in Ffi::Bind() with its own context (the CUDA stream) already
 // bound, so the two platforms cannot drift apart. Changing this list changes
@@ -29,7 +29,8 @@ auto BindFwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // lse  [batch..., num_heads, seqlen_q] float32
       .template Attr<float>("softmax_scale")
       .template Attr<int64_t>("diag_lo")
-      .template Attr<int64_t>("diag_hi");
+      .template Attr<int64_t>("diag_hi")
+      .template Attr<float>("softcap");  // 0: none (jflash/score.h)
 }
 
 template <typename Binding>
@@ -56,7 +57,8 @@ auto BindBwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // dkv_accum (float32 scratch; empty unless GQA on CUDA)
       .template Attr<float>("softmax_scale")
       .template Attr<int64_t>("diag_lo")
-      .template Attr<int64_t>("diag_hi");
+      .template Attr<int64_t>("diag_hi")
+      .template Attr<float>("softcap");  // 0: none (jflash/score.h)
 }
 
 }  // namespace jflash::ffi_glue
