@@ -201,13 +201,23 @@ bool HopperTakes(const Kernel& hopper, const DeviceInfo& info, FamilyChoice choi
          (params == nullptr || hopper.accepts == nullptr || hopper.accepts(*params));
 }
 
+// The mask kind of the kernel that runs a call of this mask and score kind.
+// The softcap kernels are built for bands and segment ids only (build time:
+// docs/cuda_kernels.md, "Softcap"): a softcap call whose band removes nothing
+// runs the band kernel, whose band then lets every key through (the same
+// result, by per-tile classes that say "full").
+MaskKind KernelMask(MaskKind mask, ScoreKind score) {
+  return score == ScoreKind::kSoftcap && mask == MaskKind::kNone ? MaskKind::kBand : mask;
+}
+
 // The forward kernel for a call: the Hopper kernel where it takes the call,
 // else the sm80 kernel of the device's tile column, which computes the same
 // result everywhere. launch == nullptr when the kernel it needs was not built.
 cuda::FwdKernel SelectForward(const DeviceInfo& info, FamilyChoice choice, DType dtype,
-                              int head_dim, MaskKind mask, ScoreKind score,
+                              int head_dim, MaskKind call_mask, ScoreKind score,
                               const FwdParams* params) {
   if (!KernelHeadDim(dtype, head_dim)) return {};
+  const MaskKind mask = KernelMask(call_mask, score);
   const cuda::FwdKernel& hopper = cuda::sm90_fwd_kernel_slot(dtype, head_dim, mask, score);
   if (HopperTakes(hopper, info, choice, params)) return hopper;
   const auto column = Sm80Column(cuda::fwd_smem_bytes(cuda::fwd_tile(head_dim), head_dim),
@@ -217,9 +227,10 @@ cuda::FwdKernel SelectForward(const DeviceInfo& info, FamilyChoice choice, DType
 
 // The backward kernel for a call, chosen the same way.
 cuda::BwdKernel SelectBackward(const DeviceInfo& info, FamilyChoice choice, DType dtype,
-                               int head_dim, MaskKind mask, ScoreKind score,
+                               int head_dim, MaskKind call_mask, ScoreKind score,
                                const BwdParams* params) {
   if (!KernelHeadDim(dtype, head_dim)) return {};
+  const MaskKind mask = KernelMask(call_mask, score);
   const cuda::BwdKernel& hopper = cuda::sm90_bwd_kernel_slot(dtype, head_dim, mask, score);
   if (HopperTakes(hopper, info, choice, params)) return hopper;
   const auto column = Sm80Column(cuda::bwd_smem_bytes(cuda::bwd_tile(head_dim), head_dim),
@@ -360,14 +371,15 @@ const DeviceInfo* QueryDevice() {
   return *info;
 }
 
-// The device and the kinds of a query, or nullptr where the query answers -1.
+// The device and the kinds of a query (the mask kind of the kernel that runs
+// it: KernelMask), or nullptr where the query answers -1.
 const DeviceInfo* QueryKinds(int mask_kind, int score_kind, MaskKind* mask, ScoreKind* score) {
   if (mask_kind < 0 || mask_kind >= kNumMaskKinds || score_kind < 0 ||
       score_kind >= kNumScoreKinds) {
     return nullptr;
   }
-  *mask = static_cast<MaskKind>(mask_kind);
   *score = static_cast<ScoreKind>(score_kind);
+  *mask = KernelMask(static_cast<MaskKind>(mask_kind), *score);
   return QueryDevice();
 }
 

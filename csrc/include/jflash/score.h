@@ -14,10 +14,14 @@
 // multiplies dS by the derivative of the cap, d score / d (softmax_scale q.k)
 // = 1 - t^2, with t recomputed from S where P is (registers are what the
 // backward kernels lack, not tanh throughput), so dK and dQ keep their
-// softmax_scale factor. The CPU twin computes in natural units:
-// score = softcap * tanh(s / softcap) for its s = softmax_scale * q.k.
+// softmax_scale factor. The CPU twin computes in natural units,
+// score = softcap * tanh(s / softcap) for its s = softmax_scale * q.k, and
+// tests params.softcap once per tile rather than at compile time (its tanh
+// pass over a tile is the cost either way).
 //
-// Masking comes after the cap: a hidden score is -inf, not -softcap.
+// Masking comes after the cap: a hidden score is -inf, not -softcap. The
+// CUDA kernels exist for the band and segment-id masks (the handlers run a
+// softcap call without a mask on the band kernel).
 #pragma once
 
 namespace jflash {
