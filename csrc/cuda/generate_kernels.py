@@ -37,7 +37,7 @@ SEGMENT_HEAD_DIMS = _head_dims("kSegmentHeadDims")
 # docs/cuda_kernels.md, "Softcap", has the build cost).
 SOFTCAP_HEAD_DIMS = _head_dims("kSoftcapHeadDims")
 SOFTCAP_MASKS = ("band", "segments")
-SOFTCAP_DIRECTIONS = ("fwd", "bwd", "fwd_small", "bwd_small")
+SOFTCAP_DIRECTIONS = ("fwd", "bwd", "fwd_small", "bwd_small", "fwd_sm90")
 DTYPES = {
     "fp16": ("cutlass::half_t", "kFloat16"),
     "bf16": ("cutlass::bfloat16_t", "kBFloat16"),
