@@ -37,7 +37,6 @@ SEGMENT_HEAD_DIMS = _head_dims("kSegmentHeadDims")
 # docs/cuda_kernels.md, "Softcap", has the build cost).
 SOFTCAP_HEAD_DIMS = _head_dims("kSoftcapHeadDims")
 SOFTCAP_MASKS = ("band", "segments")
-SOFTCAP_DIRECTIONS = ("fwd", "bwd", "fwd_small", "bwd_small", "fwd_sm90")
 DTYPES = {
     "fp16": ("cutlass::half_t", "kFloat16"),
     "bf16": ("cutlass::bfloat16_t", "kBFloat16"),
@@ -154,8 +153,7 @@ def main() -> None:
                 if mask == "segments" and (direction not in SEGMENT_DIRECTIONS
                                            or head_dim not in SEGMENT_HEAD_DIMS):
                     continue
-                if softcap and (head_dim not in SOFTCAP_HEAD_DIMS or mask not in SOFTCAP_MASKS
-                                or direction not in SOFTCAP_DIRECTIONS):
+                if softcap and (head_dim not in SOFTCAP_HEAD_DIMS or mask not in SOFTCAP_MASKS):
                     continue
                 stem = instantiation_name(direction, dtype, head_dim, mask, softcap)
                 name = stem + ".cu"

@@ -94,6 +94,15 @@ __device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& s
   return dst;
 }
 
+// Two floats as two half-precision values with one conversion instruction.
+template <typename To>
+__device__ __forceinline__ cutlass::Array<To, 2> convert_pair(float a, float b) {
+  cutlass::Array<float, 2> pair{};
+  pair[0] = a;
+  pair[1] = b;
+  return cutlass::NumericArrayConverter<To, float, 2>{}(pair);
+}
+
 // Two 16-bit values as one 32-bit word (a in the low half, so that a lands at
 // the lower address of a little-endian store).
 template <typename Element>
