@@ -299,22 +299,7 @@ SOFTCAP_DETERMINISTIC_CASES = [
 
 @pytest.mark.parametrize("case", SOFTCAP_DETERMINISTIC_CASES, ids=_softcap_case_id)
 def test_softcap_deterministic(rng, case):
-    _check_against_reference(rng, case[:8], jnp.bfloat16, deterministic=True, softcap=case[8],
-                             q_scale=case[9])
-    b, sq, sk, h, hkv, d, lo, hi, cap, q_scale = case
-    kw = dict(softmax_scale=d**-0.5, diag_lo=lo, diag_hi=hi, deterministic=True, softcap=cap)
-    q = jnp.asarray(rng.standard_normal((b, sq, h, d)) * q_scale, jnp.bfloat16)
-    k, v = (jnp.asarray(rng.standard_normal((b, sk, hkv, d)), jnp.bfloat16) for _ in range(2))
-    g_out = jnp.asarray(rng.standard_normal((b, sq, h, d)), jnp.float32)
-
-    def loss(q, k, v, g_out):
-        return jnp.sum(attention_band(q, k, v, **kw)[0].astype(jnp.float32) * g_out)
-
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    first = [np.asarray(g) for g in _kernel_call(lambda: grad(q, k, v, g_out))]
-    for _ in range(4):
-        for name, a, b_ in zip(("dq", "dk", "dv"), first, grad(q, k, v, g_out)):
-            assert np.array_equal(a, np.asarray(b_)), f"{name} differs between runs"
+    _check_deterministic(rng, case[:8], runs=4, softcap=case[8], q_scale=case[9])
 
 
 @pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
@@ -603,13 +588,19 @@ DETERMINISTIC_CASES = [
 
 @pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=_case_id)
 def test_deterministic_gradients(rng, case):
-    """deterministic=True: within the 2x rule, and bitwise the same gradients every run."""
-    _check_against_reference(rng, case, jnp.bfloat16, deterministic=True)
+    _check_deterministic(rng, case, runs=8)
+
+
+def _check_deterministic(rng, case, runs, softcap=None, q_scale=1.0):
+    """deterministic=True: within the 2x rule, and bitwise the same gradients in
+    `runs` more runs."""
+    _check_against_reference(rng, case, jnp.bfloat16, deterministic=True, softcap=softcap,
+                             q_scale=q_scale)
     b, sq, sk, h, hkv, d, lo, hi = case
     if lo is None:
         lo, hi = -sq, sk
-    kw = dict(softmax_scale=d**-0.5, diag_lo=lo, diag_hi=hi, deterministic=True)
-    q = jnp.asarray(rng.standard_normal((b, sq, h, d)), jnp.bfloat16)
+    kw = dict(softmax_scale=d**-0.5, diag_lo=lo, diag_hi=hi, deterministic=True, softcap=softcap)
+    q = jnp.asarray(rng.standard_normal((b, sq, h, d)) * q_scale, jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), jnp.bfloat16)
     g_out = jnp.asarray(rng.standard_normal((b, sq, h, d)), jnp.float32)
@@ -619,7 +610,7 @@ def test_deterministic_gradients(rng, case):
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     first = [np.asarray(g) for g in _kernel_call(lambda: grad(q, k, v, g_out))]
-    for _ in range(8):
+    for _ in range(runs):
         again = grad(q, k, v, g_out)
         for name, a, b_ in zip(("dq", "dk", "dv"), first, again):
             assert np.array_equal(a, np.asarray(b_)), f"{name} differs between runs"

@@ -198,3 +198,18 @@ def test_bad_softcap(softcap, error, message):
     for fn in (jflash.flash_attention, jflash.reference.attention):
         with pytest.raises(error, match=message):
             jax.eval_shape(lambda q: fn(q, q, q, softcap=softcap), q)
+
+
+def test_dot_product_attention_softcap(rng):
+    """jflash.dot_product_attention(softcap=) (a jflash extension): the kernels'
+    capped attention; a call that only jax's function could run raises."""
+    q, k, v = qkv_inputs(rng, (2, 40, 40, 4, 2, 64), jnp.float32)
+    q = q * 3
+    got = jflash.dot_product_attention(q, k, v, is_causal=True, softcap=2.0)
+    want = jflash.flash_attention(q, k, v, causal=True, softcap=2.0)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for kw in (dict(implementation="xla"), dict(bias=jnp.zeros((2, 4, 40, 40)))):
+        with pytest.raises(ValueError, match="softcap"):
+            jflash.dot_product_attention(q, k, v, softcap=2.0, **kw)
+    with pytest.raises(ValueError, match="softcap must be None or a number > 0"):
+        jflash.dot_product_attention(q, k, v, softcap=-1.0)

@@ -371,16 +371,34 @@ const DeviceInfo* QueryDevice() {
   return *info;
 }
 
-// The device and the kinds of a query (the mask kind of the kernel that runs
-// it: KernelMask), or nullptr where the query answers -1.
-const DeviceInfo* QueryKinds(int mask_kind, int score_kind, MaskKind* mask, ScoreKind* score) {
+// A query's call: the device (nullptr where the query answers -1: no usable
+// device, an invalid setting or kind) and the kinds, the mask kind that of the
+// kernel that runs it (KernelMask).
+struct Query {
+  const DeviceInfo* info = nullptr;
+  DType dtype = DType::kBFloat16;
+  MaskKind mask = MaskKind::kNone;
+  ScoreKind score = ScoreKind::kPlain;
+};
+Query ReadQuery(int dtype, int mask_kind, int score_kind) {
+  Query q;
   if (mask_kind < 0 || mask_kind >= kNumMaskKinds || score_kind < 0 ||
       score_kind >= kNumScoreKinds) {
-    return nullptr;
+    return q;
   }
-  *score = static_cast<ScoreKind>(score_kind);
-  *mask = KernelMask(static_cast<MaskKind>(mask_kind), *score);
-  return QueryDevice();
+  q.dtype = static_cast<DType>(dtype);
+  q.score = static_cast<ScoreKind>(score_kind);
+  q.mask = KernelMask(static_cast<MaskKind>(mask_kind), q.score);
+  q.info = QueryDevice();
+  return q;
+}
+
+// The family of a call's kernel: 90 the Hopper kernel, 80 the sm80 one, 0
+// neither built.
+template <typename Kernel>
+int Family(const Kernel& kernel, const Kernel& hopper) {
+  if (kernel.launch == nullptr) return 0;
+  return kernel.launch == hopper.launch ? 90 : 80;
 }
 
 }  // namespace
@@ -394,33 +412,21 @@ const DeviceInfo* QueryKinds(int mask_kind, int score_kind, MaskKind* mask, Scor
 // score_kind: a ScoreKind (0 plain, 1 softcap).
 extern "C" __attribute__((visibility("default"))) int jflash_cuda_forward_family(
     int dtype, int head_dim, int mask_kind, int score_kind) {
-  jflash::MaskKind mask;
-  jflash::ScoreKind score;
-  const jflash::DeviceInfo* info = jflash::QueryKinds(mask_kind, score_kind, &mask, &score);
-  if (info == nullptr) return -1;
-  const auto d = static_cast<jflash::DType>(dtype);
-  const auto kernel =
-      jflash::SelectForward(*info, jflash::forward_choice(), d, head_dim, mask, score, nullptr);
-  if (kernel.launch == nullptr) return 0;
-  return kernel.launch == jflash::cuda::sm90_fwd_kernel_slot(d, head_dim, mask, score).launch
-             ? 90
-             : 80;
+  const jflash::Query q = jflash::ReadQuery(dtype, mask_kind, score_kind);
+  if (q.info == nullptr) return -1;
+  return jflash::Family(jflash::SelectForward(*q.info, jflash::forward_choice(), q.dtype,
+                                              head_dim, q.mask, q.score, nullptr),
+                        jflash::cuda::sm90_fwd_kernel_slot(q.dtype, head_dim, q.mask, q.score));
 }
 
 // The same for the backward (jflash/_src/ffi.py: cuda_backward_family).
 extern "C" __attribute__((visibility("default"))) int jflash_cuda_backward_family(
     int dtype, int head_dim, int mask_kind, int score_kind) {
-  jflash::MaskKind mask;
-  jflash::ScoreKind score;
-  const jflash::DeviceInfo* info = jflash::QueryKinds(mask_kind, score_kind, &mask, &score);
-  if (info == nullptr) return -1;
-  const auto d = static_cast<jflash::DType>(dtype);
-  const auto kernel =
-      jflash::SelectBackward(*info, jflash::backward_choice(), d, head_dim, mask, score, nullptr);
-  if (kernel.launch == nullptr) return 0;
-  return kernel.launch == jflash::cuda::sm90_bwd_kernel_slot(d, head_dim, mask, score).launch
-             ? 90
-             : 80;
+  const jflash::Query q = jflash::ReadQuery(dtype, mask_kind, score_kind);
+  if (q.info == nullptr) return -1;
+  return jflash::Family(jflash::SelectBackward(*q.info, jflash::backward_choice(), q.dtype,
+                                               head_dim, q.mask, q.score, nullptr),
+                        jflash::cuda::sm90_bwd_kernel_slot(q.dtype, head_dim, q.mask, q.score));
 }
 
 // The dynamic shared memory per block of the kernel a call would run on the
@@ -428,18 +434,15 @@ extern "C" __attribute__((visibility("default"))) int jflash_cuda_backward_famil
 // forward, 1 backward; 0 when that kernel was not built, -1 as above.
 extern "C" __attribute__((visibility("default"))) int jflash_cuda_kernel_smem_bytes(
     int direction, int dtype, int head_dim, int mask_kind, int score_kind) {
-  jflash::MaskKind mask;
-  jflash::ScoreKind score;
-  const jflash::DeviceInfo* info = jflash::QueryKinds(mask_kind, score_kind, &mask, &score);
-  if (info == nullptr) return -1;
-  const auto d = static_cast<jflash::DType>(dtype);
+  const jflash::Query q = jflash::ReadQuery(dtype, mask_kind, score_kind);
+  if (q.info == nullptr) return -1;
   if (direction == 0) {
-    const auto kernel =
-        jflash::SelectForward(*info, jflash::forward_choice(), d, head_dim, mask, score, nullptr);
+    const auto kernel = jflash::SelectForward(*q.info, jflash::forward_choice(), q.dtype,
+                                              head_dim, q.mask, q.score, nullptr);
     return kernel.launch == nullptr ? 0 : kernel.smem_bytes;
   }
-  const auto kernel =
-      jflash::SelectBackward(*info, jflash::backward_choice(), d, head_dim, mask, score, nullptr);
+  const auto kernel = jflash::SelectBackward(*q.info, jflash::backward_choice(), q.dtype,
+                                             head_dim, q.mask, q.score, nullptr);
   return kernel.launch == nullptr ? 0 : kernel.smem_bytes;
 }
 

@@ -153,7 +153,7 @@ def _kernels_cannot_run(query, key, value, dtype):
     return _unsupported(*_shapes_4d(query, key, value, dtype), None, None, None, None, None, None)
 
 
-def attend(query, key, value, *, is_causal, local_window_size, implementation):
+def attend(query, key, value, *, is_causal, local_window_size, implementation, softcap=None):
     """jflash.dot_product_attention on [batch..., length, heads, head_dim] arrays,
     q/k/v promoted to their common dtype first as Flax does."""
     _check_batch_dims(query, key, value)
@@ -169,5 +169,6 @@ def attend(query, key, value, *, is_causal, local_window_size, implementation):
         is_causal=is_causal,
         local_window_size=local_window_size,
         implementation=implementation,
+        softcap=softcap,
     )
     return jnp.reshape(out, (*batch_shape, *out.shape[1:]))

@@ -32,6 +32,8 @@ class MultiHeadAttention(nn.Module):
         i - left ... i + right (jax.nn.dot_product_attention's convention).
       implementation: passed to jflash.dot_product_attention (None, "jflash",
         "xla", "cudnn").
+      softcap: None, or c > 0: the logits become c * tanh(logits / c) (Gemma 2's
+        attention logit soft-capping; on jflash's kernels only).
     """
 
     num_heads: int
@@ -46,6 +48,7 @@ class MultiHeadAttention(nn.Module):
     is_causal: bool = False
     local_window_size: int | tuple[int, int] | None = None
     implementation: str | None = None
+    softcap: float | None = None
 
     @nn.compact
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None):
@@ -84,6 +87,7 @@ class MultiHeadAttention(nn.Module):
             is_causal=self.is_causal,
             local_window_size=self.local_window_size,
             implementation=self.implementation,
+            softcap=self.softcap,
         )
         return nn.DenseGeneral(
             features=self.out_features or inputs_q.shape[-1],

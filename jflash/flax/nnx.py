@@ -30,6 +30,8 @@ class MultiHeadAttention(nnx.Module):
       local_window_size: None, an int, or (left, right): query i sees keys
         i - left ... i + right.
       implementation: passed to jflash.dot_product_attention.
+      softcap: None, or c > 0: the logits become c * tanh(logits / c) (on
+        jflash's kernels only).
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class MultiHeadAttention(nnx.Module):
         is_causal: bool = False,
         local_window_size: int | tuple[int, int] | None = None,
         implementation: str | None = None,
+        softcap: float | None = None,
         rngs: nnx.Rngs,
     ):
         qkv_features = qkv_features or in_features
@@ -67,6 +70,7 @@ class MultiHeadAttention(nnx.Module):
         self.is_causal = is_causal
         self.local_window_size = local_window_size
         self.implementation = implementation
+        self.softcap = softcap
 
         def linear(in_features, out_features, **kw):
             return nnx.LinearGeneral(
@@ -99,5 +103,6 @@ class MultiHeadAttention(nnx.Module):
             is_causal=self.is_causal,
             local_window_size=self.local_window_size,
             implementation=self.implementation,
+            softcap=self.softcap,
         )
         return self.out(x)
