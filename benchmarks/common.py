@@ -303,8 +303,9 @@ def fmt(x, digits=1):
 # --------------------------------------------------------------------------- correctness
 
 
-def _reference_attention(q, k, v, causal):
-    """Plain-jnp float32 attention, [batch, seq, heads, head_dim]; top-left causal.
+def _reference_attention(q, k, v, causal, softcap=None):
+    """Plain-jnp float32 attention, [batch, seq, heads, head_dim]; top-left causal;
+    softcap c: scores c * tanh(s / c).
 
     Kept here rather than imported from jflash.reference so that the peer rows are
     checked even when jflash fails to import. Sq == Sk in every benchmark, where
@@ -314,6 +315,8 @@ def _reference_attention(q, k, v, causal):
     highest = jax.lax.Precision.HIGHEST  # not TF32 on GPU: this is the reference
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=highest)
     scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     if causal:
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         visible = jnp.arange(seqlen_k)[None, :] <= jnp.arange(seqlen_q)[:, None]
@@ -321,8 +324,9 @@ def _reference_attention(q, k, v, causal):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v, precision=highest)
 
 
-def relative_errors(attention, q, k, v, cotangent, *, causal, mode, num_heads=1):
-    """||impl - ref|| / ||ref|| on batch 0 and the first num_heads heads.
+def relative_errors(attention, q, k, v, cotangent, *, causal, mode, num_heads=1, softcap=None):
+    """||impl - ref|| / ||ref|| on batch 0 and the first num_heads heads; softcap:
+    that of the impl's scores (None: none).
 
     A slice keeps the float32 reference's seq x seq scores small (1 GiB at 16k).
     fwd: {"out": e}; fwdbwd: also "dq", "dk", "dv".
@@ -341,7 +345,7 @@ def relative_errors(attention, q, k, v, cotangent, *, causal, mode, num_heads=1)
     # Inputs go in as arguments: closed-over arrays would become constants that
     # XLA folds at compile time (seconds at seq 4096).
     got = jax.jit(lambda *a: run(attention, q.dtype, *a))(q, k, v, cotangent)
-    reference = lambda *a: _reference_attention(*a, causal)
+    reference = lambda *a: _reference_attention(*a, causal, softcap)
     ref = jax.jit(lambda *a: run(reference, jnp.float32, *a))(q, k, v, cotangent)
     errors = {}
     for name, r in ref.items():

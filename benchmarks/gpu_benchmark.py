@@ -15,6 +15,14 @@ fwd+bwd 3.5x fwd). Where both fwd and fwdbwd run, each impl also gets a "bwd"
 row: the backward alone, as the difference of the two times (2.5x fwd FLOPs). --group G gives key and value num_heads / G heads (GQA; the
 FLOPs are those of the query heads, as for MHA). A failing impl or row is recorded and the run goes on.
 --allow-cpu runs the same logic on a CPU (tiny sizes; cuDNN rows 'unavailable').
+
+Variants of jflash, run when asked for and put beside jflash in the summary:
+jflash_det (deterministic=True) and jflash_softcap (softcap=--softcap, 50 by
+default: the softcap kernels against the plain ones in the same run, e.g.
+
+  python3 -P benchmarks/gpu_benchmark.py --head-dims 128 --seqs 4096 16384 \
+      --impls jflash,jflash_softcap --out $OUT/softcap.json
+).
 """
 
 from __future__ import annotations
@@ -30,8 +38,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 # jflash_det: flash_attention(..., deterministic=True), whose backward adds dq
-# in key-block order (run when asked for: --impls jflash,jflash_det,cudnn).
-IMPLS = ("jflash", "jflash_det", "cudnn", "xla")
+# in key-block order (run when asked for: --impls jflash,jflash_det,cudnn);
+# jflash_softcap: flash_attention(..., softcap=--softcap).
+IMPLS = ("jflash", "jflash_det", "jflash_softcap", "cudnn", "xla")
+# The variants' summary columns: impl, its column, the column of its rate over jflash's.
+VARIANTS = (("jflash_det", "jflash det", "det/jflash"),
+            ("jflash_softcap", "jflash softcap", "softcap/jflash"))
 DEFAULT_IMPLS = ("jflash", "cudnn", "xla")
 PAPER_HEAD_DIMS = (64, 128, 256)
 PAPER_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -40,7 +52,9 @@ QUICK = dict(head_dims=[128], seqs=[1024, 4096, 16384])
 # Rough rates, only to pick how many calls one timed loop chains (~--target-ms per
 # repeat); a wrong guess changes the loop length, not the measurement.
 _ASSUMED_FLOPS_PER_S = {
-    "gpu": {"jflash": 4e14, "jflash_det": 4e14, "cudnn": 4e14, "xla": 1e14}, "cpu": 3e10
+    "gpu": {"jflash": 4e14, "jflash_det": 4e14, "jflash_softcap": 4e14, "cudnn": 4e14,
+            "xla": 1e14},
+    "cpu": 3e10,
 }
 
 
@@ -48,16 +62,19 @@ class Unavailable(Exception):
     """The impl cannot run here (no GPU for cuDNN, too much memory for XLA): not an error."""
 
 
-def attention_fn(impl, causal, platform):
+def attention_fn(impl, causal, platform, softcap=None):
+    """impl's attention(q, k, v); softcap: that of jflash_softcap."""
     import jax
 
-    if impl in ("jflash", "jflash_det"):
+    if impl in ("jflash", "jflash_det", "jflash_softcap"):
         import jflash
 
         if platform == "gpu" and not jflash.HAS_CUDA_KERNELS:
             raise Unavailable("this jflash build has no CUDA kernels (built with JFLASH_CUDA=OFF?)")
         det = impl == "jflash_det"
-        return lambda q, k, v: jflash.flash_attention(q, k, v, causal=causal, deterministic=det)
+        cap = softcap if impl == "jflash_softcap" else None
+        return lambda q, k, v: jflash.flash_attention(q, k, v, causal=causal, deterministic=det,
+                                                      softcap=cap)
     if impl == "cudnn":
         if platform != "gpu":
             raise Unavailable(f"cuDNN attention needs a CUDA GPU; running on {platform}")
@@ -92,10 +109,13 @@ def run_one(impl, shape, causal, mode, inputs, args, platform):
             if scores_gb > args.xla_max_gb:
                 raise Unavailable(f"skipped: S x S float32 scores need {scores_gb:.3g} GB "
                                   f"> --xla-max-gb {args.xla_max_gb}")
-        attention = attention_fn(impl, causal, platform)
+        softcap = args.softcap if impl == "jflash_softcap" else None
+        if softcap is not None:
+            rec["softcap"] = softcap
+        attention = attention_fn(impl, causal, platform, softcap)
         if not args.no_check:
             rec["rel_err"] = common.relative_errors(
-                attention, *inputs, causal=causal, mode=mode
+                attention, *inputs, causal=causal, mode=mode, softcap=softcap
             )
         rate = _ASSUMED_FLOPS_PER_S[platform][impl] if platform == "gpu" else _ASSUMED_FLOPS_PER_S["cpu"]
         iterations = common.iterations_for(flops, rate, args.target_ms / 1e3, hi=args.max_iterations)
@@ -147,7 +167,7 @@ def summary_table(records):
         key = (r["head_dim"], r["seq"], r["causal"], r["mode"])
         rows.setdefault(key, {"batch": r["batch"], "heads": r["heads"]})[r["impl"]] = r
     table, notes = [], {}  # note text -> rows it applies to
-    with_det = any(r["impl"] == "jflash_det" for r in records)
+    variants = [v for v in VARIANTS if any(r["impl"] == v[0] for r in records)]
     for (head_dim, seq, causal, mode), cell in rows.items():
         def tf(impl):
             r = cell.get(impl)
@@ -169,17 +189,17 @@ def summary_table(records):
 
         row = [head_dim, seq, cell["batch"], cell["heads"], "yes" if causal else "no", mode,
                tf("jflash"), tf("cudnn"), tf("xla"), ratio, err("jflash"), err("cudnn")]
-        if with_det:
-            d = cell.get("jflash_det")
-            det_ratio = None
+        for impl, _, _ in variants:
+            d = cell.get(impl)
+            variant_ratio = None
             if j and d and j["status"] == d["status"] == "ok":
-                det_ratio = f"{d['tflops'] / j['tflops']:.2f}"
-            row += [tf("jflash_det"), det_ratio]
+                variant_ratio = f"{d['tflops'] / j['tflops']:.2f}"
+            row += [tf(impl), variant_ratio]
         table.append(row)
     headers = ["D", "seq", "B", "H", "causal", "mode", "jflash", "cudnn", "xla",
                "jflash/cudnn", "jflash err", "cudnn err"]
-    if with_det:
-        headers += ["jflash det", "det/jflash"]
+    for _, column, ratio_column in variants:
+        headers += [column, ratio_column]
     lines = []
     for text, where in notes.items():
         scope = where[0] if len(where) == 1 else f"{len(where)} rows, first {where[0]}"
@@ -202,6 +222,8 @@ def main(argv=None):
     parser.add_argument("--group", type=int, default=1,
                         help="query heads per key/value head (GQA); 1: MHA")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--softcap", type=float, default=50.0,
+                        help="the softcap of the jflash_softcap rows")
     parser.add_argument("--xla-max-gb", type=float, default=8.0)
     parser.add_argument("--feed", default="sliver", choices=common.FEEDS,
                         help="how one call's result reaches the next (common.py)")

@@ -16,6 +16,9 @@ fact of the mask, not of the values) gives out 0, lse -inf and zero
 gradients; a row that sees keys but whose softmax is undefined (a NaN or +inf
 score, or every score -inf) gives out and lse NaN, so lse -inf always means
 "no key". tests/reference64.py computes the same in float64.
+
+softcap c: the scores are c * tanh(s / c) for s = softmax_scale * q.k (an
+infinite s is capped to +-c), before the mask; lse is of the capped scores.
 """
 
 from __future__ import annotations
@@ -123,10 +126,10 @@ _scores.defvjp(_scores_fwd, _scores_bwd)
 
 
 def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, dtype=jnp.float32,
-                   q_segment_ids=None, kv_segment_ids=None):
+                   q_segment_ids=None, kv_segment_ids=None, softcap=None):
     """(out, lse) with key j visible from query i iff diag_lo <= j - i <= diag_hi
     and, with segment ids ([batch, seq_q], [batch, seq_k]), q_segment_ids[b, i] ==
-    kv_segment_ids[b, j].
+    kv_segment_ids[b, j]; softcap: None, or the cap c > 0 of the scores.
 
     dtype is the compute dtype: float32 gives the reference; the input's own
     dtype gives the "same-dtype plain computation" of FlashAttention's test rule.
@@ -136,7 +139,8 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, dtype=
     seqlen_q, seqlen_k = query.shape[1], key.shape[1]
     diag_lo, diag_hi = masks.clamp_band(seqlen_q, seqlen_k, diag_lo, diag_hi)
     visible = masks.visible(seqlen_q, seqlen_k, diag_lo, diag_hi, q_segment_ids, kv_segment_ids)
-    return masked_attention(query, key, value, visible, softmax_scale=softmax_scale, dtype=dtype)
+    return masked_attention(query, key, value, visible, softmax_scale=softmax_scale,
+                            softcap=softcap, dtype=dtype)
 
 
 def masked_attention(query, key, value, visible, *, softmax_scale, softcap=None,
@@ -171,16 +175,16 @@ def masked_attention(query, key, value, visible, *, softmax_scale, softcap=None,
 
 
 def attention(query, key, value, *, causal=False, softmax_scale=None, return_lse=False,
-              window_size=None, q_segment_ids=None, kv_segment_ids=None):
+              window_size=None, q_segment_ids=None, kv_segment_ids=None, softcap=None):
     """Same signature and semantics as jflash.flash_attention, in plain jnp."""
-    softmax_scale, diag_lo, diag_hi, return_lse, segment_ids = resolve_arguments(
+    softmax_scale, diag_lo, diag_hi, return_lse, segment_ids, softcap = resolve_arguments(
         query, key, value, causal, softmax_scale, return_lse, window_size, q_segment_ids,
-        kv_segment_ids,
+        kv_segment_ids, softcap,
     )
     q_ids, kv_ids = segment_ids or (None, None)
     out, lse = attention_band(
         query, key, value, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
-        q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+        q_segment_ids=q_ids, kv_segment_ids=kv_ids, softcap=softcap,
     )
     return (out, lse) if return_lse else out
 

@@ -12,7 +12,8 @@ sums over the pairs (P V, P^T dO, dS K, dS^T Q) skip masked pairs rather
 than multiply a non-finite input by their 0. A row that sees no key (a fact
 of the mask) gives out 0, lse -inf and no gradient; a row that sees keys
 but whose softmax is undefined (a NaN or +inf score, or every score -inf)
-gives out and lse NaN.
+gives out and lse NaN. softcap c: the scores are c * tanh(s / c) for s =
+softmax_scale * q.k, before the mask.
 """
 
 from __future__ import annotations
@@ -66,9 +67,18 @@ def _visible4(sq, sk, diag_lo, diag_hi, segment_ids):
     return visible.reshape(-1, 1, sq, sk)
 
 
+def _capped_scores(q, k, softmax_scale, softcap):
+    """(scores [b,h,sq,sk], tanh of the capped ones or None) of expanded q, k."""
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
+    if softcap is None:
+        return s, None
+    t = np.tanh(s / softcap)
+    return softcap * t, t
+
+
 def forward(q, k, v, softmax_scale, diag_lo, diag_hi, segment_ids=None, softcap=None):
     """(out [b,sq,h,d], lse [b,h,sq], p [b,h,sq,sk]) in float64; segment_ids: None or
-    (q ids [b, sq], kv ids [b, sk]); softcap: None, or c with scores c * tanh(s / c)."""
+    (q ids [b, sq], kv ids [b, sk]); softcap: None or the cap c > 0."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     group = q.shape[2] // k.shape[2]
     k, v = _expand_kv(k, group), _expand_kv(v, group)
@@ -76,9 +86,7 @@ def forward(q, k, v, softmax_scale, diag_lo, diag_hi, segment_ids=None, softcap=
     visible = _visible4(sq, sk, diag_lo, diag_hi, segment_ids)
     no_key = ~visible.any(-1, keepdims=True)  # rows that see no key
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        s = np.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
-        if softcap is not None:
-            s = softcap * np.tanh(s / softcap)
+        s, _ = _capped_scores(q, k, softmax_scale, softcap)
         s = np.where(visible, s, -np.inf)
         m = s.max(-1, keepdims=True)  # NaN if a visible score is NaN
         m = np.where(m == -np.inf, 0.0, m)  # no key, or every score -inf: -inf - -inf = NaN
@@ -90,11 +98,12 @@ def forward(q, k, v, softmax_scale, diag_lo, diag_hi, segment_ids=None, softcap=
     return out, lse, p
 
 
-def backward(q, k, v, dout, dlse, softmax_scale, diag_lo, diag_hi, segment_ids=None):
+def backward(q, k, v, dout, dlse, softmax_scale, diag_lo, diag_hi, segment_ids=None,
+             softcap=None):
     """(dq, dk, dv) in float64 for cotangents dout (of out) and dlse (of lse)."""
     q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
     dlse = np.asarray(dlse, np.float64)
-    out, _, p = forward(q, k, v, softmax_scale, diag_lo, diag_hi, segment_ids)
+    out, _, p = forward(q, k, v, softmax_scale, diag_lo, diag_hi, segment_ids, softcap)
     group = q.shape[2] // k.shape[2]
     ke, ve = _expand_kv(k, group), _expand_kv(v, group)
     visible = _visible4(q.shape[1], k.shape[1], diag_lo, diag_hi, segment_ids)
@@ -102,7 +111,10 @@ def backward(q, k, v, dout, dlse, softmax_scale, diag_lo, diag_hi, segment_ids=N
         dv = visible_sum(p, dout, visible[:, 0], over_keys=True)
         dp = np.einsum("bqhd,bkhd->bhqk", dout, ve)
         delta = np.einsum("bqhd,bqhd->bhq", dout, out) - dlse  # d lse / d s = p
-        ds = np.where(visible, p * (dp - delta[..., None]), 0.0)
+        ds = p * (dp - delta[..., None])
+        if softcap is not None:  # d (c tanh(s / c)) / ds
+            ds = ds * (1 - _capped_scores(q, ke, softmax_scale, softcap)[1] ** 2)
+        ds = np.where(visible, ds, 0.0)
         dq = visible_sum(ds, ke, visible[:, 0]) * softmax_scale
         dk = visible_sum(ds, q, visible[:, 0], over_keys=True) * softmax_scale
 

@@ -68,14 +68,16 @@ def case_id(case):
         f"_w{window[0]}_{window[1]}" if window else "")
 
 
-def check_against_reference(rng, case, dtype, fn=None):
+def check_against_reference(rng, case, dtype, fn=None, softcap=None, q_scale=1.0):
     """out, lse and the gradients of one case (batch, seq_q, seq_k, heads, heads_kv,
     head_dim, causal, window_size, kind of ids) within the 2x rule, and
     rows that see no key (keys that no row sees) exact: out 0, lse -inf, dq 0 (dk,
     dv 0). fn(q, k, v, q_ids, kv_ids, causal, window) -> (out, lse): the call
-    under test, flash_attention by default."""
+    under test, flash_attention (with softcap) by default. q_scale scales the
+    queries (peaked scores, where a small softcap matters)."""
     b, sq, sk, h, hkv, d, causal, window, kind = case
     q, k, v = qkv_inputs(rng, (b, sq, sk, h, hkv, d), dtype)
+    q = (q.astype(jnp.float32) * q_scale).astype(dtype)
     q_ids, kv_ids = segment_ids(rng, kind, b, sq, sk)
     dout = jnp.asarray(rng.standard_normal(q.shape), dtype)
     dlse = jnp.asarray(rng.standard_normal((b, h, sq)), jnp.float32)
@@ -85,21 +87,21 @@ def check_against_reference(rng, case, dtype, fn=None):
         def fn(q, k, v, q_ids, kv_ids, causal, window):
             return jflash.flash_attention(q, k, v, causal=causal, window_size=window,
                                           return_lse=True, q_segment_ids=q_ids,
-                                          kv_segment_ids=kv_ids)
+                                          kv_segment_ids=kv_ids, softcap=softcap)
 
     (out, lse), vjp = jax.vjp(
         jax.jit(lambda q, k, v: fn(q, k, v, q_ids, kv_ids, causal, window)), q, k, v)
     grads = vjp((dout, dlse))
     ids = (np.asarray(q_ids), np.asarray(kv_ids))
-    truth_out, truth_lse, _ = reference64.forward(*float64_inputs(q, k, v), scale, lo, hi, ids)
+    truth_out, truth_lse, _ = reference64.forward(*float64_inputs(q, k, v), scale, lo, hi, ids,
+                                                  softcap)
     truth_grads = reference64.backward(*float64_inputs(q, k, v, dout), np.asarray(dlse), scale,
-                                       lo, hi, ids)
-    plain = jax.jit(lambda q, k, v, dout, dlse: jax.vjp(lambda q, k, v: reference_band(
-        q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi, dtype=plain_dtype(dtype),
-        q_segment_ids=q_ids, kv_segment_ids=kv_ids), q, k, v)[1]((dout, dlse)))
-    plain_out = jax.jit(lambda q, k, v: reference_band(
-        q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi, dtype=plain_dtype(dtype),
-        q_segment_ids=q_ids, kv_segment_ids=kv_ids))(q, k, v)
+                                       lo, hi, ids, softcap)
+    plain_kw = dict(softmax_scale=scale, diag_lo=lo, diag_hi=hi, dtype=plain_dtype(dtype),
+                    q_segment_ids=q_ids, kv_segment_ids=kv_ids, softcap=softcap)
+    plain = jax.jit(lambda q, k, v, dout, dlse: jax.vjp(
+        lambda q, k, v: reference_band(q, k, v, **plain_kw), q, k, v)[1]((dout, dlse)))
+    plain_out = jax.jit(lambda q, k, v: reference_band(q, k, v, **plain_kw))(q, k, v)
     plain_grads = plain(q, k, v, dout, dlse)
     for name, got, ref, exact in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
                                      (*plain_out, *plain_grads), (truth_out, truth_lse, *truth_grads)):

@@ -158,11 +158,12 @@ SEGMENT_CASES = [
 ]
 
 
-def _segments_call(deterministic=False):
+def _segments_call(deterministic=False, softcap=None):
     def fn(q, k, v, q_ids, kv_ids, causal, window):
         return jflash.flash_attention(q, k, v, causal=causal, window_size=window,
                                       return_lse=True, q_segment_ids=q_ids,
-                                      kv_segment_ids=kv_ids, deterministic=deterministic)
+                                      kv_segment_ids=kv_ids, deterministic=deterministic,
+                                      softcap=softcap)
 
     return fn
 
@@ -231,6 +232,89 @@ def test_segments_grid_limits(rng):
                                         jnp.bfloat16, _segments_call()))
 
 
+# Softcap (csrc/include/jflash/score.h) on the CUDA kernels: the softcap
+# instantiations of head dims 64, 128 and 256 (80 runs 128's, 32 runs 64's),
+# every mask kind, GQA and MQA, odd lengths both ways, rows that see no key, many
+# units and steps per CTA, and queries scaled (q_scale) so that |softmax_scale
+# q.k| >> softcap where the cap is small. On Hopper the Hopper kernels run them;
+# test_softcap_on_sm80_kernels runs them on the sm80 kernels, test_small_smem_tiles
+# its own on the 99 KB tiles.
+# (batch, seq_q, seq_k, heads, heads_kv, head_dim, diag_lo, diag_hi, softcap, q_scale)
+SOFTCAP_CASES = [
+    (1, 129, 1000, 4, 2, 128, None, None, 50.0, 1.0),  # the issue's cap; seq_q < seq_k
+    (1, 1000, 129, 4, 4, 128, -1000, 129 - 1000, 5.0, 4.0),  # causal: 871 rows see nothing
+    (2, 300, 300, 2, 1, 128, -70, -5, 2.0, 4.0),  # window; rows 0..4 see nothing
+    (1, 383, 513, 4, 2, 128, -200, 100, 10.0, 3.0),  # a window cutting tiles on both sides
+    (2, 511, 1537, 4, 1, 64, -511, 1537 - 511, 30.0, 3.0),  # causal, MQA
+    (2, 700, 1024, 8, 8, 64, -300, 1024 - 700 + 20, 5.0, 3.0),  # short-band tile, window
+    (4, 1100, 1100, 16, 4, 64, -1100, 0, 50.0, 2.0),  # causal, many units, 3 consumers
+    (1, 250, 700, 2, 2, 256, -300, 100, 5.0, 3.0),
+    (1, 513, 385, 8, 1, 256, None, None, 1.0, 2.0),  # MQA; a last key block of one key
+    (3, 1000, 1000, 16, 8, 256, -1000, 0, 30.0, 2.0),
+    (1, 200, 300, 2, 1, 80, -200, 100, 5.0, 3.0),  # head dim 80 runs 128's kernels
+    (1, 130, 190, 2, 2, 32, None, None, 2.0, 3.0),  # head dim 32 runs 64's
+]
+
+
+def _softcap_case_id(case):
+    return _case_id(case[:8]) + f"_cap{case[8]:g}_q{case[9]:g}"
+
+
+def _assert_softcap_kernels(head_dim):
+    """On Hopper the softcap kernels of a padded head dim run in the Hopper family,
+    under JFLASH_CUDA_FORWARD/BACKWARD=sm80 in the sm80 one (0: not built)."""
+    expected = 80 if os.environ.get("JFLASH_CUDA_FORWARD") == "sm80" else 90
+    if not _is_hopper():
+        return
+    for dtype in DTYPES:
+        for banded in (False, True):
+            assert cuda_forward_family(dtype, head_dim, banded, softcap=True) in (expected, 0)
+            assert cuda_backward_family(dtype, head_dim, banded, softcap=True) in (expected, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=_softcap_case_id)
+def test_softcap_against_reference(rng, case, dtype):
+    _assert_softcap_kernels({32: 64, 80: 128}.get(case[5], case[5]))
+    _check_against_reference(rng, case[:8], dtype, softcap=case[8], q_scale=case[9])
+
+
+# Softcap with segment ids (the softcap kernels of SegmentMask) and in
+# deterministic mode (bitwise the same gradients every run).
+SOFTCAP_SEGMENT_CASES = [
+    (2, 1000, 1000, 4, 2, 64, True, None, "packed"),
+    (1, 2049, 1500, 8, 4, 128, True, None, "long"),
+    (1, 300, 517, 8, 1, 128, True, None, "random"),
+    (1, 700, 700, 4, 4, 256, True, (200, 0), "shuffled"),
+]
+
+
+@pytest.mark.parametrize("case", SOFTCAP_SEGMENT_CASES, ids=segment_case_id)
+def test_softcap_segments_against_reference(rng, case):
+    _kernel_call(lambda: check_segments(rng, case, jnp.bfloat16, _segments_call(softcap=5.0),
+                                        softcap=5.0, q_scale=3.0))
+
+
+SOFTCAP_DETERMINISTIC_CASES = [
+    (1, 1500, 2000, 8, 8, 128, -1500, 2000 - 1500, 5.0, 3.0),
+    (1, 1000, 1000, 8, 1, 64, -300, 20, 30.0, 2.0),
+    (1, 900, 900, 4, 4, 256, -900, 0, 5.0, 3.0),
+]
+
+
+@pytest.mark.parametrize("case", SOFTCAP_DETERMINISTIC_CASES, ids=_softcap_case_id)
+def test_softcap_deterministic(rng, case):
+    _check_deterministic(rng, case[:8], runs=4, softcap=case[8], q_scale=case[9])
+
+
+@pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
+def test_softcap_on_sm80_kernels():
+    """The softcap cases on the sm80 forward and backward, forced on Hopper."""
+    _pytest_in_subprocess("test_softcap_against_reference or test_softcap_segments or "
+                          "test_softcap_deterministic",
+                          JFLASH_CUDA_FORWARD="sm80", JFLASH_CUDA_BACKWARD="sm80")
+
+
 # A negative or zero softmax_scale: the Hopper forward masks raw scores with a
 # value that the scale's sign sends to -inf, and a zero scale (nothing is sent
 # to -inf) takes a path of its own on masked tiles.
@@ -261,19 +345,21 @@ def _kernel_call(call):
         pytest.skip(f"instantiation not compiled in: {str(e).splitlines()[0][:200]}")
 
 
-def _check_against_reference(rng, case, dtype, scale=None, deterministic=False):
-    """out, lse and the three gradients within the 2x rule; masked rows exact."""
+def _check_against_reference(rng, case, dtype, scale=None, deterministic=False, softcap=None,
+                             q_scale=1.0):
+    """out, lse and the three gradients within the 2x rule; masked rows exact.
+    softcap: that of the call; q_scale scales the queries (peaked scores)."""
     b, sq, sk, h, hkv, d, lo, hi = case
     if lo is None:
         lo, hi = -sq, sk
     if scale is None:
         scale = 1.0 / np.sqrt(d)
-    q = jnp.asarray(rng.standard_normal((b, sq, h, d)), dtype)
+    q = jnp.asarray(rng.standard_normal((b, sq, h, d)) * q_scale, dtype)
     k = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
     v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
     g_out = jnp.asarray(rng.standard_normal((b, sq, h, d)), jnp.float32)
     g_lse = jnp.asarray(rng.standard_normal((b, h, sq)), jnp.float32)
-    kw = dict(softmax_scale=scale, diag_lo=lo, diag_hi=hi)
+    kw = dict(softmax_scale=scale, diag_lo=lo, diag_hi=hi, softcap=softcap)
 
     got = _kernel_call(
         lambda: _run(
@@ -396,6 +482,28 @@ def test_small_smem_segments_against_reference(rng, case):
     _kernel_call(lambda: check_segments(rng, case, jnp.bfloat16, _segments_call()))
 
 
+# Softcap on the 99 KB tiles (the softcap head dims with a kSmall column:
+# backward 128 and 256, forward 256).
+SMALL_SMEM_SOFTCAP_CASES = [
+    (1, 100, 190, 2, 2, 128, -100, 90, 5.0, 3.0),
+    (1, 70, 129, 4, 2, 256, -70, 129 - 70, 2.0, 4.0),
+    (1, 33, 31, 2, 2, 256, None, None, 30.0, 2.0),
+]
+
+
+@pytest.mark.skipif(
+    os.environ.get("JFLASH_CUDA_SMEM_LIMIT") != str(SMALL_SMEM_LIMIT),
+    reason="run by test_small_smem_tiles, in a subprocess with JFLASH_CUDA_SMEM_LIMIT set",
+)
+@pytest.mark.parametrize("case", SMALL_SMEM_SOFTCAP_CASES, ids=_softcap_case_id)
+def test_small_smem_softcap_against_reference(rng, case):
+    for direction in ("fwd", "bwd"):
+        smem = cuda_kernel_smem_bytes(direction, jnp.bfloat16, case[5], case[6] is not None,
+                                      softcap=True)
+        assert smem <= SMALL_SMEM_LIMIT, (direction, case[5], smem)
+    _check_against_reference(rng, case[:8], jnp.bfloat16, softcap=case[8], q_scale=case[9])
+
+
 def test_small_smem_tiles():
     """The small-shared-memory tiles, forced on this GPU, against the reference."""
     # Skipped before the checks below, which assume no cap (the subprocess
@@ -408,8 +516,8 @@ def test_small_smem_tiles():
         for d in (96, 128, 160, 192, 224, 256):
             smem = cuda_kernel_smem_bytes("bwd", jnp.bfloat16, d, False)
             assert smem == 0 or smem > SMALL_SMEM_LIMIT, (d, smem)
-    _pytest_in_subprocess("test_small_smem_against_reference or test_small_smem_segments",
-                          JFLASH_CUDA_SMEM_LIMIT=str(SMALL_SMEM_LIMIT))
+    _pytest_in_subprocess("test_small_smem_against_reference or test_small_smem_segments or "
+                          "test_small_smem_softcap", JFLASH_CUDA_SMEM_LIMIT=str(SMALL_SMEM_LIMIT))
 
 
 def _pytest_in_subprocess(test_name, **env):
@@ -486,13 +594,19 @@ DETERMINISTIC_CASES = [
 
 @pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=_case_id)
 def test_deterministic_gradients(rng, case):
-    """deterministic=True: within the 2x rule, and bitwise the same gradients every run."""
-    _check_against_reference(rng, case, jnp.bfloat16, deterministic=True)
+    _check_deterministic(rng, case, runs=8)
+
+
+def _check_deterministic(rng, case, runs, softcap=None, q_scale=1.0):
+    """deterministic=True: within the 2x rule, and bitwise the same gradients in
+    `runs` more runs."""
+    _check_against_reference(rng, case, jnp.bfloat16, deterministic=True, softcap=softcap,
+                             q_scale=q_scale)
     b, sq, sk, h, hkv, d, lo, hi = case
     if lo is None:
         lo, hi = -sq, sk
-    kw = dict(softmax_scale=d**-0.5, diag_lo=lo, diag_hi=hi, deterministic=True)
-    q = jnp.asarray(rng.standard_normal((b, sq, h, d)), jnp.bfloat16)
+    kw = dict(softmax_scale=d**-0.5, diag_lo=lo, diag_hi=hi, deterministic=True, softcap=softcap)
+    q = jnp.asarray(rng.standard_normal((b, sq, h, d)) * q_scale, jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), jnp.bfloat16)
     g_out = jnp.asarray(rng.standard_normal((b, sq, h, d)), jnp.float32)
@@ -502,7 +616,7 @@ def test_deterministic_gradients(rng, case):
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     first = [np.asarray(g) for g in _kernel_call(lambda: grad(q, k, v, g_out))]
-    for _ in range(8):
+    for _ in range(runs):
         again = grad(q, k, v, g_out)
         for name, a, b_ in zip(("dq", "dk", "dv"), first, again):
             assert np.array_equal(a, np.asarray(b_)), f"{name} differs between runs"

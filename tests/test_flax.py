@@ -132,6 +132,43 @@ def test_nnx_module_matches_flax(rng, num_kv_heads):
         _assert_trees_close(grads[name], want_grads[name])
 
 
+def _reference_softcap_fn(softcap):
+    """A Flax attention_fn: causal attention with softcap in plain jnp."""
+
+    def attention_fn(query, key, value, bias=None, mask=None, **kwargs):
+        del bias, mask, kwargs
+        return jflash.reference.attention(query, key, value, causal=True, softcap=softcap)
+
+    return attention_fn
+
+
+def test_softcap_attribute(rng):
+    """softcap as a layer attribute (linen) and argument (nnx): Flax's layers with
+    the plain-jnp softcap attention, on queries large enough that the cap acts."""
+    x, dout = _inputs(rng)
+    x = x * 2
+    ours = jflash.flax.linen.MultiHeadAttention(num_heads=4, is_causal=True, softcap=2.0)
+    theirs = nn.MultiHeadDotProductAttention(num_heads=4,
+                                             attention_fn=_reference_softcap_fn(2.0))
+    params = ours.init(jax.random.key(int(rng.integers(1 << 30))), x)["params"]
+    _assert_trees_close(_linen_value_and_grads(ours, params, x, dout),
+                        _linen_value_and_grads(theirs, params, x, dout))
+
+    seed = int(rng.integers(1 << 30))
+    kw = dict(num_heads=4, in_features=48, num_kv_heads=2)
+    ours = jflash.flax.nnx.MultiHeadAttention(**kw, is_causal=True, softcap=2.0,
+                                              rngs=nnx.Rngs(seed))
+    theirs = nnx.MultiHeadAttention(**kw, decode=False, attention_fn=_reference_softcap_fn(2.0),
+                                    rngs=nnx.Rngs(seed + 1))
+    _copy_projections(ours, theirs)
+    got, want = _nnx_value_and_grads(ours, x, dout), _nnx_value_and_grads(theirs, x, dout)
+    _assert_trees_close(got[0], want[0])
+    _assert_trees_close(got[1][1], want[1][1])
+    with pytest.raises(ValueError, match="softcap"):
+        jflash.flax.linen.MultiHeadAttention(num_heads=4, softcap=2.0,
+                                             implementation="xla").init(jax.random.key(0), x)
+
+
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_attention_fn_in_linen_layer(rng, is_causal):
     """flax.linen.MultiHeadDotProductAttention(attention_fn=jflash.flax.attention_fn)."""

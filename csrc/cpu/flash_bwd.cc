@@ -108,16 +108,18 @@ JFLASH_INLINE void compute_ds(const float* p_t, float* dp_t, int k_pad, int q_pa
 }
 
 // S^T = K (scale Q)^T, then P^T with the mask applied, for one (key tile, query
-// tile). k_tile [k_pad, d_pad], q_t [d_pad, q_pad] -> p_t [k_pad, q_pad].
-// Masked elements get P = 0 after the exponential, so that a NaN row's lse
-// (or a NaN score of a key it does not see) leaves them 0. Returns whether
-// the tile was masked: then dS needs the same (mask_ds).
+// tile). k_tile [k_pad, d_pad], q_t [d_pad, q_pad] -> p_t [k_pad, q_pad];
+// with softcap also t_t [k_pad, q_pad], the tanh of each capped score
+// (softcap_grad). Masked elements get P = 0 after the exponential, so that a
+// NaN row's lse (or a NaN score of a key it does not see) leaves them 0.
+// Returns whether the tile was masked: then dS needs the same (score_grad).
 template <class T, class Mask>
 JFLASH_INLINE bool probabilities(const BwdParams& params, const Mask& mask, int64_t q0,
                                  int q_rows, int q_pad, int64_t k0, int k_rows, int k_pad,
                                  int d_pad, const float* k_tile, const float* q_t,
-                                 const float* lse_safe, float* p_t) {
+                                 const float* lse_safe, float* p_t, float* t_t) {
   gemm<T, Accumulate::kOverwrite>(k_pad, q_pad, d_pad, k_tile, d_pad, 1, q_t, q_pad, p_t, q_pad);
+  if (params.softcap > 0.0f) softcap_scores<T>(p_t, int64_t{k_pad} * q_pad, params.softcap, t_t);
   recompute_p<T>(p_t, k_pad, q_pad, lse_safe);
   const bool masked = tile_needs_mask(mask, q0, q_rows, k0, k_rows, k_pad);
   if (masked) {
@@ -126,12 +128,18 @@ JFLASH_INLINE bool probabilities(const BwdParams& params, const Mask& mask, int6
   return masked;
 }
 
-// dS^T = 0 on the masked elements of a tile that probabilities() masked: P is
-// 0 there, but dP - delta may be NaN (a NaN in v, a NaN row's delta).
-template <class Mask>
-JFLASH_INLINE void mask_ds(const BwdParams& params, const Mask& mask, int64_t q0, int q_rows,
-                           int q_pad, int64_t k0, int k_rows, int k_pad, float* ds_t) {
-  mask_any_tile(mask, params.seqlen_q, q0, q_rows, q_pad, k0, k_rows, k_pad, 0.0f, ds_t);
+// dS^T of s = softmax_scale q.k from dP^T: P^T (dP^T - delta), times 1 - t^2
+// with softcap; then 0 on the masked elements of a tile that probabilities()
+// masked: P is 0 there, but dP - delta may be NaN (a NaN in v, a NaN row's
+// delta), and so may t (a NaN score).
+template <class T, class Mask>
+JFLASH_INLINE void score_grad(const BwdParams& params, const Mask& mask, bool masked, int64_t q0,
+                              int q_rows, int q_pad, int64_t k0, int k_rows, int k_pad,
+                              const float* p_t, const float* t_t, const float* delta,
+                              float* ds_t) {
+  compute_ds<T>(p_t, ds_t, k_pad, q_pad, delta);
+  if (params.softcap > 0.0f) softcap_grad<T>(ds_t, t_t, int64_t{k_pad} * q_pad);
+  if (masked) mask_any_tile(mask, params.seqlen_q, q0, q_rows, q_pad, k0, k_rows, k_pad, 0.0f, ds_t);
 }
 
 JFLASH_INLINE TileRef q_tile_ref(const BwdParams& params, int64_t batch, int64_t head, int64_t q0) {
@@ -180,7 +188,7 @@ JFLASH_INLINE void dkdv_block(const BwdParams& params, int64_t task) {
   const int d_pad = padded_head_dim<T>(head_dim);
 
   float* k_tile = thread_scratch(size_t{4} * (block_k + block_q) * d_pad +
-                                 size_t{2} * block_k * block_q + 2 * block_q);  // [block_k, d_pad]
+                                 size_t{3} * block_k * block_q + 2 * block_q);  // [block_k, d_pad]
   float* v_tile = k_tile + block_k * d_pad;    // [block_k, d_pad]
   float* dk = v_tile + block_k * d_pad;        // [block_k, d_pad]
   float* dv = dk + block_k * d_pad;            // [block_k, d_pad]
@@ -190,7 +198,8 @@ JFLASH_INLINE void dkdv_block(const BwdParams& params, int64_t task) {
   float* do_t = do_tile + block_q * d_pad;     // [d_pad, q_pad]
   float* p_t = do_t + block_q * d_pad;         // [k_pad, q_pad]
   float* ds_t = p_t + block_k * block_q;       // [k_pad, q_pad]  dP^T, then dS^T
-  float* lse_safe = ds_t + block_k * block_q;  // [q_pad]
+  float* t_t = ds_t + block_k * block_q;       // [k_pad, q_pad]  tanh of the capped scores
+  float* lse_safe = t_t + block_k * block_q;   // [q_pad]
   float* delta = lse_safe + block_q;           // [q_pad]
 
   load_kv(params, batch, kv_head, k0, k_rows, k_pad, d_pad, k_tile, v_tile);
@@ -217,14 +226,14 @@ JFLASH_INLINE void dkdv_block(const BwdParams& params, int64_t task) {
       load_row_stats(params, batch, head, q0, q_rows, q_pad, lse_safe, delta);
 
       const bool masked = probabilities<T>(params, mask, q0, q_rows, q_pad, k0, k_rows, k_pad,
-                                           d_pad, k_tile, q_t, lse_safe, p_t);
+                                           d_pad, k_tile, q_t, lse_safe, p_t, t_t);
       // dV += P^T dO: [k_pad, d_pad]
       gemm<T, Accumulate::kAdd>(k_pad, d_pad, q_pad, p_t, q_pad, 1, do_tile, d_pad, dv, d_pad);
       // dP^T = V dO^T: [k_pad, q_pad]
       gemm<T, Accumulate::kOverwrite>(k_pad, q_pad, d_pad, v_tile, d_pad, 1, do_t, q_pad, ds_t,
                                       q_pad);
-      compute_ds<T>(p_t, ds_t, k_pad, q_pad, delta);
-      if (masked) mask_ds(params, mask, q0, q_rows, q_pad, k0, k_rows, k_pad, ds_t);
+      score_grad<T>(params, mask, masked, q0, q_rows, q_pad, k0, k_rows, k_pad, p_t, t_t, delta,
+                    ds_t);
       // dK += dS^T (scale Q) = scale dS^T Q: [k_pad, d_pad]
       gemm<T, Accumulate::kAdd>(k_pad, d_pad, q_pad, ds_t, q_pad, 1, q_tile, d_pad, dk, d_pad);
     }
@@ -250,14 +259,15 @@ JFLASH_INLINE void dq_block(const BwdParams& params, int64_t task) {
   const int d_pad = padded_head_dim<T>(head_dim);
 
   float* q_t = thread_scratch(size_t{3} * q_pad * d_pad + size_t{2} * block_k * d_pad +
-                              size_t{2} * block_k * q_pad + 2 * q_pad);  // [d_pad, q_pad]
+                              size_t{3} * block_k * q_pad + 2 * q_pad);  // [d_pad, q_pad]
   float* do_t = q_t + d_pad * q_pad;          // [d_pad, q_pad]
   float* dq = do_t + d_pad * q_pad;           // [q_pad, d_pad]
   float* k_tile = dq + q_pad * d_pad;         // [block_k, d_pad]
   float* v_tile = k_tile + block_k * d_pad;   // [block_k, d_pad]
   float* p_t = v_tile + block_k * d_pad;      // [block_k, q_pad]
   float* ds_t = p_t + block_k * q_pad;        // [block_k, q_pad]  dP^T, then dS^T
-  float* lse_safe = ds_t + block_k * q_pad;   // [q_pad]
+  float* t_t = ds_t + block_k * q_pad;        // [block_k, q_pad]  tanh of the capped scores
+  float* lse_safe = t_t + block_k * q_pad;    // [q_pad]
   float* delta = lse_safe + q_pad;            // [q_pad]
 
   load_tile_transposed(q_tile_ref(params, batch, head, q0), q_rows, head_dim, q_pad, d_pad,
@@ -275,12 +285,12 @@ JFLASH_INLINE void dq_block(const BwdParams& params, int64_t task) {
     const int k_pad = round_up(k_rows, T::kRows);
     load_kv(params, batch, kv_head, k0, k_rows, k_pad, d_pad, k_tile, v_tile);
     const bool masked = probabilities<T>(params, mask, q0, q_rows, q_pad, k0, k_rows, k_pad,
-                                         d_pad, k_tile, q_t, lse_safe, p_t);
+                                         d_pad, k_tile, q_t, lse_safe, p_t, t_t);
     // dP^T = V dO^T: [k_pad, q_pad]
     gemm<T, Accumulate::kOverwrite>(k_pad, q_pad, d_pad, v_tile, d_pad, 1, do_t, q_pad, ds_t,
                                     q_pad);
-    compute_ds<T>(p_t, ds_t, k_pad, q_pad, delta);
-    if (masked) mask_ds(params, mask, q0, q_rows, q_pad, k0, k_rows, k_pad, ds_t);
+    score_grad<T>(params, mask, masked, q0, q_rows, q_pad, k0, k_rows, k_pad, p_t, t_t, delta,
+                  ds_t);
     // dQ += dS K: [q_pad, d_pad]; a(i, j) = ds_t[j][i]. softmax_scale at the store.
     gemm<T, Accumulate::kAdd>(q_pad, d_pad, k_pad, ds_t, 1, q_pad, k_tile, d_pad, dq, d_pad);
   }

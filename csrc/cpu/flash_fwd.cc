@@ -60,9 +60,10 @@ JFLASH_INLINE void fwd_block(const FwdParams& params, int64_t task) {
     load_tile({params.v, params.dtype, v_offset, params.v_row_stride}, k_rows, head_dim, k_pad,
               d_pad, 1.0f, v_tile, d_pad);
 
-    // S^T = K (scale Q)^T: [k_pad, q_pad]
+    // S^T = K (scale Q)^T: [k_pad, q_pad]; capped before the mask hides scores.
     gemm<T, Accumulate::kOverwrite>(k_pad, q_pad, d_pad, k_tile, d_pad, 1, q_t, q_pad, s_t,
                                     q_pad);
+    if (params.softcap > 0.0f) softcap_scores<T>(s_t, int64_t{k_pad} * q_pad, params.softcap);
     if (tile_needs_mask(mask, q0, q_rows, k0, k_rows, k_pad)) {
       mask_any_tile(mask, params.seqlen_q, q0, q_rows, q_pad, k0, k_rows, k_pad, kNegInf, s_t,
                     seen);

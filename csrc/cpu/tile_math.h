@@ -218,6 +218,52 @@ JFLASH_INLINE typename T::Vec exp_vec(const typename T::Vec& arg) {
   return underflow ? V{} : result;
 }
 
+// tanh(x), within ~2 ulp (Cephes tanhf): the odd polynomial x + x^3 P(x^2) for
+// |x| < 0.625, which keeps the relative precision near 0 that the other form
+// loses to cancellation, else 1 - 2 / (exp(2|x|) + 1) with x's sign (exp_vec
+// clamps its argument, so +-inf gives +-1). NaN propagates (the second form).
+template <class T>
+JFLASH_INLINE typename T::Vec tanh_vec(const typename T::Vec& x) {
+  using V = typename T::Vec;
+  const V z = x * x;
+  V poly = splat<V>(-5.70498872745e-3f);
+  poly = poly * z + 2.06390887954e-2f;
+  poly = poly * z - 5.37397155531e-2f;
+  poly = poly * z + 1.33314422036e-1f;
+  poly = poly * z - 3.33332819422e-1f;
+  poly = poly * z * x + x;
+  const V magnitude = vmax(x, -x);
+  const V tail = 1.0f - 2.0f / (exp_vec<T>(2.0f * magnitude) + 1.0f);
+  const V signed_tail = x < 0.0f ? -tail : tail;
+  return magnitude < 0.625f ? poly : signed_tail;
+}
+
+// ---- Logit soft-capping (jflash/score.h) --------------------------------------------
+
+// s = softcap * tanh(s / softcap) over n scores (n a multiple of kLanes), in
+// place, before masking; where t is given (the backward) also t = tanh(s /
+// softcap), for softcap_grad.
+template <class T>
+JFLASH_INLINE void softcap_scores(float* s, int64_t n, float softcap, float* t = nullptr) {
+  using V = typename T::Vec;
+  for (int64_t i = 0; i < n; i += T::kLanes) {
+    const V capped = tanh_vec<T>(load_vec<V>(s + i) / softcap);
+    if (t != nullptr) store_vec(t + i, capped);
+    store_vec(s + i, softcap * capped);
+  }
+}
+
+// ds *= 1 - t^2 over n elements: dS of the capped scores (P (dP - delta)) into
+// dS of s = softmax_scale * q.k, which the dK and dQ products take.
+template <class T>
+JFLASH_INLINE void softcap_grad(float* ds, const float* t, int64_t n) {
+  using V = typename T::Vec;
+  for (int64_t i = 0; i < n; i += T::kLanes) {
+    const V t_i = load_vec<V>(t + i);
+    store_vec(ds + i, load_vec<V>(ds + i) * (1.0f - t_i * t_i));
+  }
+}
+
 // ---- Register-blocked GEMM ---------------------------------------------------------
 
 // How a GEMM combines with what c already holds.

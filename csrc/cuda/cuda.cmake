@@ -4,15 +4,18 @@
 # JFLASH_CUDA_ARCHS   semicolon list of GPU targets, SASS embedded for each:
 #                     "80" (sm80; also runs on sm86/sm89) and "90a" (Hopper).
 # JFLASH_CUDA_SUBSET  which kernel instantiations (csrc/cuda/instantiations/) to compile:
-#                     all  every (direction, dtype, head dim, mask): 76 files, 38
-#                          of the 99 KB tile column (flash_*_small_*), and, when
-#                          90a is a target, 18 of the Hopper forward and 18 of the
-#                          Hopper backward: 150 in all, the segment-id kernels
-#                          (flash_*_segments) of head dims 64, 128, 256 included;
+#                     all  every (direction, dtype, head dim, mask, score): 100
+#                          files, 50 of the 99 KB tile column (flash_*_small_*),
+#                          and, when 90a is a target, 30 of the Hopper forward
+#                          and 30 of the Hopper backward, and 6 decode kernels
+#                          (flash_decode_*): 216 in all, the segment-id kernels
+#                          (flash_*_segments*) and the softcap kernels
+#                          (flash_*_softcap, band and segments masks) of head
+#                          dims 64, 128, 256 included;
 #                     ci   bfloat16, head dim 128, the full and band masks, both directions:
 #                          4 files, the 2 of the 99 KB backward, the 4 Hopper files (no
-#                          segment-id kernels: "segments" selects those), and the
-#                          bfloat16 decode kernel of head dim 128;
+#                          segment-id or softcap kernels: "segments", "softcap"
+#                          select those), and the bfloat16 decode kernel of head dim 128;
 #                     otherwise a comma (or semicolon) list of name fragments, and an
 #                     instantiation is compiled when its file name contains one
 #                     (e.g. "bf16_hdim64,fp16_hdim128_full").
@@ -20,8 +23,9 @@
 #
 # Build time (docs/cuda_kernels.md, "Build time"): nvcc's time goes to cicc's
 # template work, which the instantiations of one head dim share, so the chosen
-# files are compiled as one translation unit per (direction, head dim, family):
-# 22 for "all" instead of 150, a quarter of the CPU time, the same SASS.
+# files are compiled as one translation unit per (direction, head dim, family,
+# score), and one per head dim for the decode kernels: 37 for "all" instead
+# of 216, the same SASS.
 # Every sm80 kernel, the 99 KB column included, keeps its sm_90a SASS: Hopper
 # runs sm80 kernels for the head dims and calls the Hopper kernels leave, under
 # JFLASH_CUDA_FORWARD/BACKWARD=sm80, and (JFLASH_CUDA_SMEM_LIMIT) the 99 KB column.
@@ -54,7 +58,8 @@ file(GLOB _all_instantiations CONFIGURE_DEPENDS "${CMAKE_CURRENT_LIST_DIR}/insta
 if(JFLASH_CUDA_SUBSET STREQUAL "all")
   set(_fragments "flash_")
 elseif(JFLASH_CUDA_SUBSET STREQUAL "ci")
-  set(_fragments "bf16_hdim128_full;bf16_hdim128_band;decode_bf16_hdim128")
+  # Whole names' ends, so that the softcap kernels (..._band_softcap.cu) stay out.
+  set(_fragments "bf16_hdim128_full.cu;bf16_hdim128_band.cu;decode_bf16_hdim128.cu")
 else()
   string(REPLACE "," ";" _fragments "${JFLASH_CUDA_SUBSET}")
 endif()
@@ -84,12 +89,15 @@ if(_count EQUAL 0)
   message(FATAL_ERROR "jflash: JFLASH_CUDA_SUBSET='${JFLASH_CUDA_SUBSET}' selects no kernel instantiation")
 endif()
 
-# One translation unit per (direction, head dim, family): a generated .cu that
-# #includes the chosen instantiation files of the group. Its instantiations
-# (both dtypes, both masks, and the sm80 kernels' 99 KB tile column) share most
-# of nvcc's work: the four of the sm80 backward at head dim 128 cost 1.2x the
-# CPU time of one (docs/cuda_kernels.md, "Build time"). Same templates, same
-# flags: the SASS of every kernel stays the same.
+# One translation unit per (direction, head dim, family, score): a generated .cu
+# that #includes the chosen instantiation files of the group. Its
+# instantiations (both dtypes, the masks, and the sm80 kernels' 99 KB tile
+# column) share most of nvcc's work: the four of the sm80 backward at head dim
+# 128 cost 1.2x the CPU time of one (docs/cuda_kernels.md, "Build time"). The
+# softcap kernels form units of their own: in their plain kernels' unit they
+# would lengthen the longest unit, which sets a parallel build's time
+# (docs/cuda_kernels.md, "Softcap"). Same templates, same flags: the SASS of
+# every kernel stays the same.
 set(_group_dir "${CMAKE_CURRENT_BINARY_DIR}/jflash_kernels")
 set(_groups "")
 foreach(_file IN LISTS _instantiations)
@@ -97,14 +105,14 @@ foreach(_file IN LISTS _instantiations)
   if(_name MATCHES "^flash_decode_(fp16|bf16)_hdim([0-9]+)\\.cu$")
     # The decode kernels: a group of their own per head dim (sm80 code).
     set(_group "flash_decode_hdim${CMAKE_MATCH_2}")
-  elseif(NOT _name MATCHES "^flash_(fwd|bwd)(_small|_sm90)?_(fp16|bf16)_hdim([0-9]+)_(full|band|segments)\\.cu$")
+  elseif(NOT _name MATCHES "^flash_(fwd|bwd)(_small|_sm90)?_(fp16|bf16)_hdim([0-9]+)_(full|band|segments)(_softcap)?\\.cu$")
     message(FATAL_ERROR "jflash: ${_name} is not named like csrc/cuda/generate_kernels.py's files")
   # The 99 KB column joins its direction's sm80 group; the Hopper kernels stay
-  # apart, for their own arch.
+  # apart, for their own arch; the softcap kernels apart from the plain ones.
   elseif(CMAKE_MATCH_2 STREQUAL "_sm90")
-    set(_group "flash_${CMAKE_MATCH_1}_sm90_hdim${CMAKE_MATCH_4}")
+    set(_group "flash_${CMAKE_MATCH_1}_sm90_hdim${CMAKE_MATCH_4}${CMAKE_MATCH_6}")
   else()
-    set(_group "flash_${CMAKE_MATCH_1}_hdim${CMAKE_MATCH_4}")
+    set(_group "flash_${CMAKE_MATCH_1}_hdim${CMAKE_MATCH_4}${CMAKE_MATCH_6}")
   endif()
   if(NOT _group IN_LIST _groups)
     list(APPEND _groups "${_group}")

@@ -7,6 +7,8 @@
 //      GQA group and every query block the band lets the key block see:
 //        S  = Q K^T,  P = exp2(S * scale_log2 - lse * log2 e)
 //        dP = dO V^T, dS = P * (dP - delta)
+//        (softcap, kScore: P of t = tanh(S * softcap_scale), dS times 1 - t^2;
+//        jflash/score.h)
 //        dV += P^T dO,  dK += dS^T Q      (registers, summed over the group)
 //        dQ_accum += dS K                 (float32 atomics; in key-block
 //                                          order in deterministic mode)
@@ -32,7 +34,7 @@ namespace jflash::cuda {
 
 using namespace cute;
 
-template <typename Traits, typename Mask>
+template <typename Traits, typename Mask, ScoreKind kScore>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_kernel(const __grid_constant__ BwdParams params) {
   using Element = typename Traits::Element;
@@ -274,8 +276,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
-        float p = fast_exp2(s(r, c) * params.softmax_scale_log2 - lse_log2[r]);
+        // Softcap: the capped score t, recomputed from S here rather than kept.
+        const float score = kScore == ScoreKind::kSoftcap
+                                ? fast_tanh(s(r, c) * params.softcap_scale)
+                                : s(r, c);
+        float p = fast_exp2(score * params.softmax_scale_log2 - lse_log2[r]);
         float ds = p * (dp(r, c) - delta[r]);
+        if constexpr (kScore == ScoreKind::kSoftcap) ds *= 1.f - score * score;
         if (needs_mask) {
           const int row = row0 + get<0>(tScS_rc(r, c));
           const int col = key0 + get<1>(tScS_rc(r, c));
@@ -355,14 +362,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       batch, kv_head, params);
 }
 
-template <typename Element, int kHeadDim, typename Mask, SmemClass kSmem = SmemClass::kLarge>
+// The score kind comes last: the plain kernels' instantiation files predate it.
+template <typename Element, int kHeadDim, typename Mask, SmemClass kSmem = SmemClass::kLarge,
+          ScoreKind kScore = ScoreKind::kPlain>
 cudaError_t run_flash_bwd(const BwdParams& params, const LaunchContext& ctx) {
   using Traits = BwdTraitsSm80<Element, kHeadDim, kSmem>;
   if (cudaError_t err = launch_bwd_preprocess<Element, kHeadDim>(params, ctx); err != cudaSuccess) {
     return err;
   }
 
-  auto kernel = &flash_bwd_kernel<Traits, Mask>;
+  auto kernel = &flash_bwd_kernel<Traits, Mask, kScore>;
   constexpr int kSmemBytes = Traits::kSmemBytes;
   if constexpr (kSmemBytes > 48 * 1024) {
     if (cudaError_t err = cudaFuncSetAttribute(

@@ -1,4 +1,5 @@
 // Forward: out, lse <- softmax(scale * Q K^T) V, one CTA per (query block, head, batch).
+// With softcap (kScore, jflash/score.h) the scores are capped first.
 //
 // Per CTA (FlashAttention-2, Algorithm 1):
 //   load the Q tile (block_m x head_dim) once;
@@ -24,7 +25,7 @@ namespace jflash::cuda {
 
 using namespace cute;
 
-template <typename Traits, typename Mask>
+template <typename Traits, typename Mask, ScoreKind kScore>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_kernel(const __grid_constant__ FwdParams params) {
   using Element = typename Traits::Element;
@@ -161,9 +162,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // Scale into the log2 domain first, then mask: this is correct for any sign
     // of softmax_scale (a negative scale turns the row max into a row min).
+    // Softcap: the score is tanh(softcap_scale * S) first, and the factor
+    // softcap * log2(e).
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     CUTE_UNROLL
-    for (int i = 0; i < size(s); ++i) s(i) *= params.softmax_scale_log2;
+    for (int i = 0; i < size(s); ++i) {
+      if constexpr (kScore == ScoreKind::kSoftcap) s(i) = fast_tanh(s(i) * params.softcap_scale);
+      s(i) *= params.softmax_scale_log2;
+    }
     if constexpr (Mask::kHasSegments) {
       if (seg_needs_mask) {
         const Visibility visible{seg_visible};
@@ -219,10 +225,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       params.out_row_stride, row_seen);
 }
 
-template <typename Element, int kHeadDim, typename Mask, SmemClass kSmem = SmemClass::kLarge>
+// The score kind comes last: the plain kernels' instantiation files predate it.
+template <typename Element, int kHeadDim, typename Mask, SmemClass kSmem = SmemClass::kLarge,
+          ScoreKind kScore = ScoreKind::kPlain>
 cudaError_t run_flash_fwd(const FwdParams& params, const LaunchContext& ctx) {
   using Traits = FwdTraitsSm80<Element, kHeadDim, kSmem>;
-  auto kernel = &flash_fwd_kernel<Traits, Mask>;
+  auto kernel = &flash_fwd_kernel<Traits, Mask, kScore>;
   constexpr int kSmemBytes = Traits::kSmemBytes;
   if constexpr (kSmemBytes > 48 * 1024) {
     if (cudaError_t err = cudaFuncSetAttribute(

@@ -1,7 +1,7 @@
 """Writes one small .cu file per kernel instantiation into csrc/cuda/instantiations/.
 
-One file per (direction, dtype, head dim, mask), and per (dtype, head dim) of
-the decode kernels, lets JFLASH_CUDA_SUBSET
+One file per (direction, dtype, head dim, mask, score), and per (dtype, head
+dim) of the decode kernels, lets JFLASH_CUDA_SUBSET
 (csrc/cuda/cuda.cmake) compile only some of them; cuda.cmake then compiles the
 chosen files of one (direction, head dim) as one translation unit (the
 instantiations share most of nvcc's work: docs/cuda_kernels.md, "Build
@@ -13,6 +13,7 @@ below:
 
 from __future__ import annotations
 
+import itertools
 import pathlib
 import re
 
@@ -40,6 +41,12 @@ DECODE_REGISTRATION = (
 # The segment-id kernels (SegmentMask) exist for these head dims only (build
 # time); jflash pads the head dims of calls with segment ids up to them.
 SEGMENT_HEAD_DIMS = _head_dims("kSegmentHeadDims")
+# The softcap kernels (ScoreKind::kSoftcap, csrc/include/jflash/score.h) likewise,
+# in every direction, for the band and segment-id masks: a softcap call whose
+# band removes nothing runs the band kernel (the handlers' KernelMask;
+# docs/cuda_kernels.md, "Softcap", has the build cost).
+SOFTCAP_HEAD_DIMS = _head_dims("kSoftcapHeadDims")
+SOFTCAP_MASKS = ("band", "segments")
 DTYPES = {
     "fp16": ("cutlass::half_t", "kFloat16"),
     "bf16": ("cutlass::bfloat16_t", "kBFloat16"),
@@ -53,20 +60,23 @@ DTYPES = {
 MASKS = {"full": ("NoMask", "kNone"), "band": ("BandMask", "kBand"),
          "segments": ("SegmentMask", "kSegments")}
 SEGMENT_DIRECTIONS = ("fwd", "bwd", "fwd_small", "bwd_small", "fwd_sm90", "bwd_sm90")
-# direction: (header, registration expression, head dims)
+# direction: (header, registration expression, head dims). {score}: nothing for
+# the plain kernels, the score kind (after the sm80 kernels' SmemClass) for the
+# softcap ones, as the launcher's last template argument and the registration's
+# last argument.
 DIRECTIONS = {
     "fwd": (
         "cuda/flash_fwd_kernel_sm80.h",
         "register_fwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
-        "    FwdKernel{{&run_flash_fwd<{element}, {head_dim}, {mask_policy}>,\n"
-        "              FwdTraitsSm80<{element}, {head_dim}>::kSmemBytes}})",
+        "    FwdKernel{{&run_flash_fwd<{element}, {head_dim}, {mask_policy}{score}>,\n"
+        "              FwdTraitsSm80<{element}, {head_dim}>::kSmemBytes}}{score})",
         HEAD_DIMS,
     ),
     "bwd": (
         "cuda/flash_bwd_kernel_sm80.h",
         "register_bwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
-        "    BwdKernel{{&run_flash_bwd<{element}, {head_dim}, {mask_policy}>,\n"
-        "              BwdTraitsSm80<{element}, {head_dim}>::kSmemBytes}})",
+        "    BwdKernel{{&run_flash_bwd<{element}, {head_dim}, {mask_policy}{score}>,\n"
+        "              BwdTraitsSm80<{element}, {head_dim}>::kSmemBytes}}{score})",
         HEAD_DIMS,
     ),
     # The sm80 kernels' small-shared-memory column (tile_sizes.h, SmemClass::
@@ -76,18 +86,18 @@ DIRECTIONS = {
     "fwd_small": (
         "cuda/flash_fwd_kernel_sm80.h",
         "register_fwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
-        "    FwdKernel{{&run_flash_fwd<{element}, {head_dim}, {mask_policy}, SmemClass::kSmall>,\n"
+        "    FwdKernel{{&run_flash_fwd<{element}, {head_dim}, {mask_policy}, SmemClass::kSmall{score}>,\n"
         "              FwdTraitsSm80<{element}, {head_dim}, SmemClass::kSmall>::kSmemBytes}},\n"
-        "    SmemClass::kSmall);\n"
+        "    SmemClass::kSmall{score});\n"
         "static_assert(has_small_fwd_tile({head_dim}))",
         (224, 256),
     ),
     "bwd_small": (
         "cuda/flash_bwd_kernel_sm80.h",
         "register_bwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
-        "    BwdKernel{{&run_flash_bwd<{element}, {head_dim}, {mask_policy}, SmemClass::kSmall>,\n"
+        "    BwdKernel{{&run_flash_bwd<{element}, {head_dim}, {mask_policy}, SmemClass::kSmall{score}>,\n"
         "              BwdTraitsSm80<{element}, {head_dim}, SmemClass::kSmall>::kSmemBytes}},\n"
-        "    SmemClass::kSmall);\n"
+        "    SmemClass::kSmall{score});\n"
         "static_assert(has_small_bwd_tile({head_dim}))",
         (96, 128, 160, 192, 224, 256),
     ),
@@ -96,8 +106,8 @@ DIRECTIONS = {
     "fwd_sm90": (
         "cuda/sm90/flash_fwd_kernel_sm90.h",
         "register_sm90_fwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
-        "    FwdKernel{{&sm90::run_flash_fwd_sm90<{element}, {head_dim}, {mask_policy}>,\n"
-        "              sm90::FwdTraitsSm90<{element}, {head_dim}>::kSmemBytes, &tma_compatible}})",
+        "    FwdKernel{{&sm90::run_flash_fwd_sm90<{element}, {head_dim}, {mask_policy}{score}>,\n"
+        "              sm90::FwdTraitsSm90<{element}, {head_dim}>::kSmemBytes, &tma_compatible}}{score})",
         (64, 128, 256),
     ),
     # The Hopper backward (sm90a only, like the Hopper forward); other head dims
@@ -105,10 +115,10 @@ DIRECTIONS = {
     "bwd_sm90": (
         "cuda/sm90/flash_bwd_kernel_sm90.h",
         "register_sm90_bwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
-        "    BwdKernel{{&sm90::run_flash_bwd_sm90<{element}, {head_dim}, {mask_policy}>,\n"
+        "    BwdKernel{{&sm90::run_flash_bwd_sm90<{element}, {head_dim}, {mask_policy}{score}>,\n"
         "              sm90::BwdTraitsSm90<{element}, {head_dim},\n"
         "                                  MaskKind::{mask_kind}>::kSmemBytes,\n"
-        "              &sm90::tma_compatible_bwd}})",
+        "              &sm90::tma_compatible_bwd}}{score})",
         (64, 128, 256),
     ),
 }
@@ -128,8 +138,19 @@ namespace {{
 """
 
 
-def instantiation_name(direction: str, dtype: str, head_dim: int, mask: str) -> str:
-    return f"flash_{direction}_{dtype}_hdim{head_dim}_{mask}"
+def instantiation_name(direction: str, dtype: str, head_dim: int, mask: str,
+                       softcap: bool = False) -> str:
+    return f"flash_{direction}_{dtype}_hdim{head_dim}_{mask}" + "_softcap" * softcap
+
+
+def _score_argument(direction: str, softcap: bool) -> str:
+    """{score} of the registration templates: the sm80 launchers take the score
+    kind after their SmemClass, which the kLarge column otherwise leaves to its
+    default."""
+    if not softcap:
+        return ""
+    large_sm80 = ", SmemClass::kLarge" if direction in ("fwd", "bwd") else ""
+    return large_sm80 + ", ScoreKind::kSoftcap"
 
 
 def _write(out_dir: pathlib.Path, stem: str, header: str, registration: str) -> str:
@@ -154,15 +175,18 @@ def main() -> None:
                               "cuda/flash_decode_sm80.h", registration))
     for direction, (header, registration, head_dims) in DIRECTIONS.items():
         for dtype, (element, dtype_enum) in DTYPES.items():
-            for head_dim in head_dims:
-                for mask, (mask_policy, mask_kind) in MASKS.items():
-                    if mask == "segments" and (direction not in SEGMENT_DIRECTIONS
-                                               or head_dim not in SEGMENT_HEAD_DIMS):
-                        continue
-                    stem = instantiation_name(direction, dtype, head_dim, mask)
-                    wanted.add(_write(out_dir, stem, header, registration.format(
-                        element=element, dtype_enum=dtype_enum, head_dim=head_dim,
-                        mask_policy=mask_policy, mask_kind=mask_kind)))
+            for head_dim, (mask, (mask_policy, mask_kind)), softcap in itertools.product(
+                    head_dims, MASKS.items(), (False, True)):
+                if mask == "segments" and (direction not in SEGMENT_DIRECTIONS
+                                           or head_dim not in SEGMENT_HEAD_DIMS):
+                    continue
+                if softcap and (head_dim not in SOFTCAP_HEAD_DIMS or mask not in SOFTCAP_MASKS):
+                    continue
+                stem = instantiation_name(direction, dtype, head_dim, mask, softcap)
+                wanted.add(_write(out_dir, stem, header, registration.format(
+                    element=element, dtype_enum=dtype_enum, head_dim=head_dim,
+                    mask_policy=mask_policy, mask_kind=mask_kind,
+                    score=_score_argument(direction, softcap))))
     for stale in out_dir.glob("*.cu"):
         if stale.name not in wanted:
             stale.unlink()

@@ -3,7 +3,7 @@
 // Each generated instantiation file (csrc/cuda/instantiations/, written by
 // generate_kernels.py) compiles one launcher and records it in the registry
 // below when the library loads. The handlers look a launcher up by (dtype,
-// head_dim, mask kind); a missing entry means the instantiation was left out of the
+// head_dim, mask kind, score kind); a missing entry means the instantiation was left out of the
 // build (JFLASH_CUDA_SUBSET) and becomes an ffi::Error, never a crash.
 #pragma once
 
@@ -61,18 +61,19 @@ struct DecodeKernel {
 };
 DecodeKernel& decode_kernel_slot(DType dtype, int head_dim);
 
-// Registry slots; head_dim is one of kKernelHeadDims (jflash/head_dims.h). Return nullptr-launch
+// Registry slots, keyed by (dtype, head dim, mask kind, score kind); head_dim
+// is one of kKernelHeadDims (jflash/head_dims.h). Return nullptr-launch
 // entries for instantiations that were not compiled. SmemClass::kSmall slots
 // hold the sm80 kernels of the small-shared-memory tile column (tile_sizes.h),
 // filled only for head dims whose kLarge tile needs more than 99 KB.
-FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, MaskKind mask,
+FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, ScoreKind score,
                            SmemClass smem = SmemClass::kLarge);
-BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, MaskKind mask,
+BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, ScoreKind score,
                            SmemClass smem = SmemClass::kLarge);
 
 // The Hopper kernels (csrc/cuda/sm90/), chosen on compute capability 9.0.
-FwdKernel& sm90_fwd_kernel_slot(DType dtype, int head_dim, MaskKind mask);
-BwdKernel& sm90_bwd_kernel_slot(DType dtype, int head_dim, MaskKind mask);
+FwdKernel& sm90_fwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, ScoreKind score);
+BwdKernel& sm90_bwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, ScoreKind score);
 
 // ------------------------------------------------------------------------
 // Grids of one CTA per (row block, head, batch): the sm80 forward (query
@@ -205,13 +206,17 @@ inline bool tma_compatible(const FwdParams& p) {
          stride_ok(p.v_row_stride) && stride_ok(p.v_head_stride) && stride_ok(p.v_batch_stride);
 }
 
-inline bool register_sm90_fwd_kernel(DType dtype, int head_dim, MaskKind mask, FwdKernel kernel) {
-  sm90_fwd_kernel_slot(dtype, head_dim, mask) = kernel;
+// The instantiation files' registrations (the score kind last: the plain
+// kernels' files predate it).
+inline bool register_sm90_fwd_kernel(DType dtype, int head_dim, MaskKind mask, FwdKernel kernel,
+                                     ScoreKind score = ScoreKind::kPlain) {
+  sm90_fwd_kernel_slot(dtype, head_dim, mask, score) = kernel;
   return true;
 }
 
-inline bool register_sm90_bwd_kernel(DType dtype, int head_dim, MaskKind mask, BwdKernel kernel) {
-  sm90_bwd_kernel_slot(dtype, head_dim, mask) = kernel;
+inline bool register_sm90_bwd_kernel(DType dtype, int head_dim, MaskKind mask, BwdKernel kernel,
+                                     ScoreKind score = ScoreKind::kPlain) {
+  sm90_bwd_kernel_slot(dtype, head_dim, mask, score) = kernel;
   return true;
 }
 
@@ -221,13 +226,15 @@ inline bool register_decode_kernel(DType dtype, int head_dim, DecodeKernel kerne
 }
 
 inline bool register_fwd_kernel(DType dtype, int head_dim, MaskKind mask, FwdKernel kernel,
-                                SmemClass smem = SmemClass::kLarge) {
-  fwd_kernel_slot(dtype, head_dim, mask, smem) = kernel;
+                                SmemClass smem = SmemClass::kLarge,
+                                ScoreKind score = ScoreKind::kPlain) {
+  fwd_kernel_slot(dtype, head_dim, mask, score, smem) = kernel;
   return true;
 }
 inline bool register_bwd_kernel(DType dtype, int head_dim, MaskKind mask, BwdKernel kernel,
-                                SmemClass smem = SmemClass::kLarge) {
-  bwd_kernel_slot(dtype, head_dim, mask, smem) = kernel;
+                                SmemClass smem = SmemClass::kLarge,
+                                ScoreKind score = ScoreKind::kPlain) {
+  bwd_kernel_slot(dtype, head_dim, mask, score, smem) = kernel;
   return true;
 }
 

@@ -9,38 +9,42 @@ namespace {
 
 constexpr int kNumHeadDims = kNumKernelHeadDims;
 
-// Callers pass one of kKernelHeadDims (the handlers check KernelHeadDim first)
-// and a MaskKind.
-constexpr int kNumSlots = 2 * kNumHeadDims * kNumMaskKinds;
+// Callers pass one of kKernelHeadDims (the handlers check KernelHeadDim first),
+// a MaskKind and a ScoreKind.
+constexpr int kNumSlots = 2 * kNumHeadDims * kNumMaskKinds * kNumScoreKinds;
 
-int slot_index(DType dtype, int head_dim, MaskKind mask) {
+int slot_index(DType dtype, int head_dim, MaskKind mask, ScoreKind score) {
   const int dtype_index = dtype == DType::kBFloat16 ? 1 : 0;
-  return (dtype_index * kNumHeadDims + kernel_head_dim_index(head_dim)) * kNumMaskKinds +
-         static_cast<int>(mask);
+  const int kind = static_cast<int>(mask) * kNumScoreKinds + static_cast<int>(score);
+  return (dtype_index * kNumHeadDims + kernel_head_dim_index(head_dim)) * kNumMaskKinds *
+             kNumScoreKinds +
+         kind;
 }
 
 }  // namespace
 
-FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, SmemClass smem) {
+FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, ScoreKind score,
+                           SmemClass smem) {
   static FwdKernel large[kNumSlots];
   static FwdKernel small[kNumSlots];
-  return (smem == SmemClass::kSmall ? small : large)[slot_index(dtype, head_dim, mask)];
+  return (smem == SmemClass::kSmall ? small : large)[slot_index(dtype, head_dim, mask, score)];
 }
 
-FwdKernel& sm90_fwd_kernel_slot(DType dtype, int head_dim, MaskKind mask) {
+FwdKernel& sm90_fwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, ScoreKind score) {
   static FwdKernel table[kNumSlots];
-  return table[slot_index(dtype, head_dim, mask)];
+  return table[slot_index(dtype, head_dim, mask, score)];
 }
 
-BwdKernel& sm90_bwd_kernel_slot(DType dtype, int head_dim, MaskKind mask) {
+BwdKernel& sm90_bwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, ScoreKind score) {
   static BwdKernel table[kNumSlots];
-  return table[slot_index(dtype, head_dim, mask)];
+  return table[slot_index(dtype, head_dim, mask, score)];
 }
 
-BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, SmemClass smem) {
+BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, ScoreKind score,
+                           SmemClass smem) {
   static BwdKernel large[kNumSlots];
   static BwdKernel small[kNumSlots];
-  return (smem == SmemClass::kSmall ? small : large)[slot_index(dtype, head_dim, mask)];
+  return (smem == SmemClass::kSmall ? small : large)[slot_index(dtype, head_dim, mask, score)];
 }
 
 DecodeKernel& decode_kernel_slot(DType dtype, int head_dim) {

@@ -94,6 +94,15 @@ __device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& s
   return dst;
 }
 
+// Two floats as two half-precision values with one conversion instruction.
+template <typename To>
+__device__ __forceinline__ cutlass::Array<To, 2> convert_pair(float a, float b) {
+  cutlass::Array<float, 2> pair{};
+  pair[0] = a;
+  pair[1] = b;
+  return cutlass::NumericArrayConverter<To, float, 2>{}(pair);
+}
+
 // Two 16-bit values as one 32-bit word (a in the low half, so that a lands at
 // the lower address of a little-endian store).
 template <typename Element>
@@ -106,6 +115,16 @@ __device__ __forceinline__ uint32_t pack_pair(Element a, Element b) {
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// tanh(x) with the single MUFU instruction (relative error about 2^-11;
+// tanh(+-inf) = +-1, NaN stays NaN): the softcap kernels' cap (jflash/score.h),
+// one more MUFU per score beside exp2's. The float32 products feed it, and its
+// error is below that of the half-precision scores of a plain computation.
+__device__ __forceinline__ float fast_tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 

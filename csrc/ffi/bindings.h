@@ -1,4 +1,4 @@
-// The ABI of jflash_fwd_v2, jflash_bwd_v4, jflash_decode_v1 and
+// The ABI of jflash_fwd_v3, jflash_bwd_v5, jflash_decode_v1 and
 // jflash_decode_append_v1, written once: arguments, results
 // and attributes in the order jflash/_src/kernel_calls.py passes them. Each
 // platform passes in Ffi::Bind() with its own context (the CUDA stream) already
@@ -30,7 +30,8 @@ auto BindFwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // lse  [batch..., num_heads, seqlen_q] float32
       .template Attr<float>("softmax_scale")
       .template Attr<int64_t>("diag_lo")
-      .template Attr<int64_t>("diag_hi");
+      .template Attr<int64_t>("diag_hi")
+      .template Attr<float>("softcap");  // 0: none (jflash/score.h)
 }
 
 template <typename Binding>
@@ -57,7 +58,8 @@ auto BindBwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // dkv_accum (float32 scratch; empty unless GQA on CUDA)
       .template Attr<float>("softmax_scale")
       .template Attr<int64_t>("diag_lo")
-      .template Attr<int64_t>("diag_hi");
+      .template Attr<int64_t>("diag_hi")
+      .template Attr<float>("softcap");  // 0: none (jflash/score.h)
 }
 
 // The decode call's attributes (jflash/_src/decode.py): window sides -1 for

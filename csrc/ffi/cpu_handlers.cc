@@ -1,4 +1,4 @@
-// XLA FFI handlers for platform "cpu": jflash_fwd_v2, jflash_bwd_v4,
+// XLA FFI handlers for platform "cpu": jflash_fwd_v3, jflash_bwd_v5,
 // jflash_decode_v1 and jflash_decode_append_v1.
 //
 // The CUDA handlers (csrc/ffi/cuda_handlers.cu) bind the same arguments in the
@@ -21,12 +21,12 @@ ffi::Error FwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
                   ffi::AnyBuffer kv_segment_blocks, ffi::AnyBuffer q_segment_ranges,
                   ffi::AnyBuffer kv_segment_ranges, ffi::Result<ffi::AnyBuffer> out,
                   ffi::Result<ffi::AnyBuffer> lse,
-                  float softmax_scale, int64_t diag_lo, int64_t diag_hi) {
+                  float softmax_scale, int64_t diag_lo, int64_t diag_hi, float softcap) {
   FwdParams params;
   const ffi_glue::SegmentBuffers segments{q_segment_ids,    kv_segment_ids,   q_segment_blocks,
                                           kv_segment_blocks, q_segment_ranges, kv_segment_ranges};
   if (auto err = ffi_glue::FillFwdParams(q, k, v, segments, *out, *lse, softmax_scale, diag_lo,
-                                         diag_hi, &params);
+                                         diag_hi, softcap, &params);
       err.failure()) {
     return err;
   }
@@ -43,13 +43,13 @@ ffi::Error BwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
                   ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                   ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta,
                   ffi::Result<ffi::AnyBuffer> dq_semaphore, ffi::Result<ffi::AnyBuffer> dkv_accum,
-                  float softmax_scale, int64_t diag_lo, int64_t diag_hi) {
+                  float softmax_scale, int64_t diag_lo, int64_t diag_hi, float softcap) {
   BwdParams params;
   const ffi_glue::SegmentBuffers segments{q_segment_ids,    kv_segment_ids,   q_segment_blocks,
                                           kv_segment_blocks, q_segment_ranges, kv_segment_ranges};
   if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, segments, *dq, *dk, *dv,
                                          *dq_accum, *delta, *dq_semaphore, *dkv_accum,
-                                         softmax_scale, diag_lo, diag_hi, &params,
+                                         softmax_scale, diag_lo, diag_hi, softcap, &params,
                                          /*uses_dq_accum=*/false);
       err.failure()) {
     return err;

@@ -203,46 +203,65 @@ bool HopperTakes(const Kernel& hopper, const DeviceInfo& info, FamilyChoice choi
          (params == nullptr || hopper.accepts == nullptr || hopper.accepts(*params));
 }
 
+// The mask kind of the kernel that runs a call of this mask and score kind.
+// The softcap kernels are built for bands and segment ids only (build time:
+// docs/cuda_kernels.md, "Softcap"): a softcap call whose band removes nothing
+// runs the band kernel, whose band then lets every key through (the same
+// result, by per-tile classes that say "full").
+MaskKind KernelMask(MaskKind mask, ScoreKind score) {
+  return score == ScoreKind::kSoftcap && mask == MaskKind::kNone ? MaskKind::kBand : mask;
+}
+
 // The forward kernel for a call: the Hopper kernel where it takes the call,
 // else the sm80 kernel of the device's tile column, which computes the same
 // result everywhere. launch == nullptr when the kernel it needs was not built.
 cuda::FwdKernel SelectForward(const DeviceInfo& info, FamilyChoice choice, DType dtype,
-                              int head_dim, MaskKind mask, const FwdParams* params) {
+                              int head_dim, MaskKind call_mask, ScoreKind score,
+                              const FwdParams* params) {
   if (!KernelHeadDim(dtype, head_dim)) return {};
-  const cuda::FwdKernel& hopper = cuda::sm90_fwd_kernel_slot(dtype, head_dim, mask);
+  const MaskKind mask = KernelMask(call_mask, score);
+  const cuda::FwdKernel& hopper = cuda::sm90_fwd_kernel_slot(dtype, head_dim, mask, score);
   if (HopperTakes(hopper, info, choice, params)) return hopper;
   const auto column = Sm80Column(cuda::fwd_smem_bytes(cuda::fwd_tile(head_dim), head_dim),
                                  cuda::has_small_fwd_tile(head_dim), info);
-  return cuda::fwd_kernel_slot(dtype, head_dim, mask, column);
+  return cuda::fwd_kernel_slot(dtype, head_dim, mask, score, column);
 }
 
 // The backward kernel for a call, chosen the same way.
 cuda::BwdKernel SelectBackward(const DeviceInfo& info, FamilyChoice choice, DType dtype,
-                               int head_dim, MaskKind mask, const BwdParams* params) {
+                               int head_dim, MaskKind call_mask, ScoreKind score,
+                               const BwdParams* params) {
   if (!KernelHeadDim(dtype, head_dim)) return {};
-  const cuda::BwdKernel& hopper = cuda::sm90_bwd_kernel_slot(dtype, head_dim, mask);
+  const MaskKind mask = KernelMask(call_mask, score);
+  const cuda::BwdKernel& hopper = cuda::sm90_bwd_kernel_slot(dtype, head_dim, mask, score);
   if (HopperTakes(hopper, info, choice, params)) return hopper;
   const auto column = Sm80Column(cuda::bwd_smem_bytes(cuda::bwd_tile(head_dim), head_dim),
                                  cuda::has_small_bwd_tile(head_dim), info);
-  return cuda::bwd_kernel_slot(dtype, head_dim, mask, column);
+  return cuda::bwd_kernel_slot(dtype, head_dim, mask, score, column);
 }
 
 // Checks what the CUDA kernels support beyond FillFwdParams' ABI checks and
 // returns the launch context of the current device.
 ffi::ErrorOr<cuda::LaunchContext> Prepare(const FwdParams& params, cudaStream_t stream,
-                                          const DeviceInfo& info, MaskKind mask, int smem_bytes,
-                                          bool found, const char* direction) {
+                                          const DeviceInfo& info, MaskKind mask, ScoreKind score,
+                                          int smem_bytes, bool found, const char* direction) {
   if (params.dtype == DType::kFloat32) {
     return ffi::Error::InvalidArgument(
         "jflash: the CUDA kernels take float16 or bfloat16; float32 inputs are cast to bfloat16 "
         "by jflash before the call (jflash/_src/kernel_calls.py)");
   }
-  if (kernel_head_dim_index(params.head_dim) < 0) {
-    std::string dims;
-    for (int d : kKernelHeadDims) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
-    return ffi::Error::InvalidArgument("jflash: the CUDA kernels need head_dim in " + dims +
-                                       " (got " + std::to_string(params.head_dim) +
+  auto listed = [&params](const auto& dims, const char* kernels) -> ffi::Error {
+    if (is_listed_head_dim(dims, params.head_dim)) return ffi::Error::Success();
+    std::string list;
+    for (int d : dims) list += (list.empty() ? "" : ", ") + std::to_string(d);
+    return ffi::Error::InvalidArgument(std::string("jflash: the CUDA ") + kernels +
+                                       " need head_dim in " + list + " (got " +
+                                       std::to_string(params.head_dim) +
                                        "); jflash pads head_dim before the call");
+  };
+  if (auto err = listed(kKernelHeadDims, "kernels"); err.failure()) return err;
+  if (score == ScoreKind::kSoftcap) {
+    if (auto err = listed(kSoftcapHeadDims, "softcap kernels"); err.failure()) return err;
   }
   // The forward kernel addresses rows inside a tile with 32-bit offsets.
   constexpr int64_t kMaxTileOffset = int64_t{1} << 31;
@@ -257,7 +276,8 @@ ffi::ErrorOr<cuda::LaunchContext> Prepare(const FwdParams& params, cudaStream_t 
     return ffi::Error::InvalidArgument(
         std::string("jflash: this build has no CUDA ") + direction + " kernel for " +
         DTypeName(params.dtype) + ", head_dim " + std::to_string(params.head_dim) + ", " +
-        MaskKindName(mask) + " attention: it was built with JFLASH_CUDA_SUBSET=" +
+        MaskKindName(mask) + " " + ScoreKindName(score) +
+        " attention: it was built with JFLASH_CUDA_SUBSET=" +
         JFLASH_CUDA_SUBSET + "; rebuild with JFLASH_CUDA_SUBSET=all");
   }
   if (smem_bytes > smem_limit(info)) {
@@ -277,12 +297,12 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges,
                    ffi::Result<ffi::AnyBuffer> out,
                    ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, int64_t diag_lo,
-                   int64_t diag_hi) {
+                   int64_t diag_hi, float softcap) {
   FwdParams params;
   const ffi_glue::SegmentBuffers segments{q_segment_ids,    kv_segment_ids,   q_segment_blocks,
                                           kv_segment_blocks, q_segment_ranges, kv_segment_ranges};
   if (auto err = ffi_glue::FillFwdParams(q, k, v, segments, *out, *lse, softmax_scale, diag_lo,
-                                         diag_hi, &params);
+                                         diag_hi, softcap, &params);
       err.failure()) {
     return err;
   }
@@ -294,10 +314,11 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   const FamilyChoice choice = forward_choice();
   if (auto err = CheckSettings(); err.failure()) return err;
   const MaskKind mask = params.mask.kind(params.seqlen_q, params.seqlen_k);
+  const ScoreKind score = params.score_kind();
   const cuda::FwdKernel kernel =
-      SelectForward(**info, choice, params.dtype, params.head_dim, mask, &params);
-  auto ctx = Prepare(params, stream, **info, mask, kernel.smem_bytes, kernel.launch != nullptr,
-                     "forward");
+      SelectForward(**info, choice, params.dtype, params.head_dim, mask, score, &params);
+  auto ctx = Prepare(params, stream, **info, mask, score, kernel.smem_bytes,
+                     kernel.launch != nullptr, "forward");
   if (ctx.has_error()) return ctx.error();
   if (cudaError_t err = kernel.launch(params, *ctx); err != cudaSuccess) {
     return LaunchError(err, **info, "forward");
@@ -316,13 +337,13 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta,
                    ffi::Result<ffi::AnyBuffer> dq_semaphore,
                    ffi::Result<ffi::AnyBuffer> dkv_accum, float softmax_scale,
-                   int64_t diag_lo, int64_t diag_hi) {
+                   int64_t diag_lo, int64_t diag_hi, float softcap) {
   BwdParams params;
   const ffi_glue::SegmentBuffers segments{q_segment_ids,    kv_segment_ids,   q_segment_blocks,
                                           kv_segment_blocks, q_segment_ranges, kv_segment_ranges};
   if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, segments, *dq, *dk, *dv,
                                          *dq_accum, *delta, *dq_semaphore, *dkv_accum,
-                                         softmax_scale, diag_lo, diag_hi, &params);
+                                         softmax_scale, diag_lo, diag_hi, softcap, &params);
       err.failure()) {
     return err;
   }
@@ -332,10 +353,11 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   if (info.has_error()) return info.error();
   if (auto err = CheckSettings(); err.failure()) return err;
   const MaskKind mask = params.mask.kind(params.seqlen_q, params.seqlen_k);
-  const cuda::BwdKernel kernel =
-      SelectBackward(**info, backward_choice(), params.dtype, params.head_dim, mask, &params);
-  auto ctx = Prepare(params, stream, **info, mask, kernel.smem_bytes, kernel.launch != nullptr,
-                     "backward");
+  const ScoreKind score = params.score_kind();
+  const cuda::BwdKernel kernel = SelectBackward(**info, backward_choice(), params.dtype,
+                                                params.head_dim, mask, score, &params);
+  auto ctx = Prepare(params, stream, **info, mask, score, kernel.smem_bytes,
+                     kernel.launch != nullptr, "backward");
   if (ctx.has_error()) return ctx.error();
   if (cudaError_t err = kernel.launch(params, *ctx); err != cudaSuccess) {
     return LaunchError(err, **info, "backward");
@@ -441,62 +463,78 @@ const DeviceInfo* QueryDevice() {
   return *info;
 }
 
+// A query's call: the device (nullptr where the query answers -1: no usable
+// device, an invalid setting or kind) and the kinds, the mask kind that of the
+// kernel that runs it (KernelMask).
+struct Query {
+  const DeviceInfo* info = nullptr;
+  DType dtype = DType::kBFloat16;
+  MaskKind mask = MaskKind::kNone;
+  ScoreKind score = ScoreKind::kPlain;
+};
+Query ReadQuery(int dtype, int mask_kind, int score_kind) {
+  Query q;
+  if (mask_kind < 0 || mask_kind >= kNumMaskKinds || score_kind < 0 ||
+      score_kind >= kNumScoreKinds) {
+    return q;
+  }
+  q.dtype = static_cast<DType>(dtype);
+  q.score = static_cast<ScoreKind>(score_kind);
+  q.mask = KernelMask(static_cast<MaskKind>(mask_kind), q.score);
+  q.info = QueryDevice();
+  return q;
+}
+
+// The family of a call's kernel: 90 the Hopper kernel, 80 the sm80 one, 0
+// neither built.
+template <typename Kernel>
+int Family(const Kernel& kernel, const Kernel& hopper) {
+  if (kernel.launch == nullptr) return 0;
+  return kernel.launch == hopper.launch ? 90 : 80;
+}
+
 }  // namespace
 }  // namespace jflash
 
 // Which forward kernel family a call would run on the current device, for
 // tests and benchmarks (jflash/_src/ffi.py: cuda_forward_family): 90 (Hopper
 // kernel), 80 (sm80 kernel), 0 (not built), -1 (no usable device, an invalid
-// JFLASH_CUDA_FORWARD or mask kind). dtype: 0 float16, 1 bfloat16; mask_kind:
-// a MaskKind (jflash/_src/masks.py: MASK_KIND_*).
-extern "C" __attribute__((visibility("default"))) int jflash_cuda_forward_family(int dtype,
-                                                                                int head_dim,
-                                                                                int mask_kind) {
-  const jflash::DeviceInfo* info = jflash::QueryDevice();
-  if (info == nullptr || mask_kind < 0 || mask_kind >= jflash::kNumMaskKinds) return -1;
-  const auto mask = static_cast<jflash::MaskKind>(mask_kind);
-  const auto kernel = jflash::SelectForward(*info, jflash::forward_choice(),
-                                            static_cast<jflash::DType>(dtype), head_dim,
-                                            mask, nullptr);
-  if (kernel.launch == nullptr) return 0;
-  return kernel.launch == jflash::cuda::sm90_fwd_kernel_slot(static_cast<jflash::DType>(dtype),
-                                                            head_dim, mask)
-                                  .launch
-             ? 90
-             : 80;
+// JFLASH_CUDA_FORWARD, mask kind or score kind). dtype: 0 float16, 1
+// bfloat16; mask_kind: a MaskKind (jflash/_src/masks.py: MASK_KIND_*);
+// score_kind: a ScoreKind (0 plain, 1 softcap).
+extern "C" __attribute__((visibility("default"))) int jflash_cuda_forward_family(
+    int dtype, int head_dim, int mask_kind, int score_kind) {
+  const jflash::Query q = jflash::ReadQuery(dtype, mask_kind, score_kind);
+  if (q.info == nullptr) return -1;
+  return jflash::Family(jflash::SelectForward(*q.info, jflash::forward_choice(), q.dtype,
+                                              head_dim, q.mask, q.score, nullptr),
+                        jflash::cuda::sm90_fwd_kernel_slot(q.dtype, head_dim, q.mask, q.score));
 }
 
 // The same for the backward (jflash/_src/ffi.py: cuda_backward_family).
-extern "C" __attribute__((visibility("default"))) int jflash_cuda_backward_family(int dtype,
-                                                                                 int head_dim,
-                                                                                 int mask_kind) {
-  const jflash::DeviceInfo* info = jflash::QueryDevice();
-  if (info == nullptr || mask_kind < 0 || mask_kind >= jflash::kNumMaskKinds) return -1;
-  const auto mask = static_cast<jflash::MaskKind>(mask_kind);
-  const auto d = static_cast<jflash::DType>(dtype);
-  const auto kernel =
-      jflash::SelectBackward(*info, jflash::backward_choice(), d, head_dim, mask, nullptr);
-  if (kernel.launch == nullptr) return 0;
-  return kernel.launch == jflash::cuda::sm90_bwd_kernel_slot(d, head_dim, mask).launch ? 90
-                                                                                              : 80;
+extern "C" __attribute__((visibility("default"))) int jflash_cuda_backward_family(
+    int dtype, int head_dim, int mask_kind, int score_kind) {
+  const jflash::Query q = jflash::ReadQuery(dtype, mask_kind, score_kind);
+  if (q.info == nullptr) return -1;
+  return jflash::Family(jflash::SelectBackward(*q.info, jflash::backward_choice(), q.dtype,
+                                               head_dim, q.mask, q.score, nullptr),
+                        jflash::cuda::sm90_bwd_kernel_slot(q.dtype, head_dim, q.mask, q.score));
 }
 
 // The dynamic shared memory per block of the kernel a call would run on the
 // current device (jflash/_src/ffi.py: cuda_kernel_smem_bytes): direction 0
 // forward, 1 backward; 0 when that kernel was not built, -1 as above.
 extern "C" __attribute__((visibility("default"))) int jflash_cuda_kernel_smem_bytes(
-    int direction, int dtype, int head_dim, int mask_kind) {
-  const jflash::DeviceInfo* info = jflash::QueryDevice();
-  if (info == nullptr || mask_kind < 0 || mask_kind >= jflash::kNumMaskKinds) return -1;
-  const auto mask = static_cast<jflash::MaskKind>(mask_kind);
-  const auto d = static_cast<jflash::DType>(dtype);
+    int direction, int dtype, int head_dim, int mask_kind, int score_kind) {
+  const jflash::Query q = jflash::ReadQuery(dtype, mask_kind, score_kind);
+  if (q.info == nullptr) return -1;
   if (direction == 0) {
-    const auto kernel =
-        jflash::SelectForward(*info, jflash::forward_choice(), d, head_dim, mask, nullptr);
+    const auto kernel = jflash::SelectForward(*q.info, jflash::forward_choice(), q.dtype,
+                                              head_dim, q.mask, q.score, nullptr);
     return kernel.launch == nullptr ? 0 : kernel.smem_bytes;
   }
-  const auto kernel =
-      jflash::SelectBackward(*info, jflash::backward_choice(), d, head_dim, mask, nullptr);
+  const auto kernel = jflash::SelectBackward(*q.info, jflash::backward_choice(), q.dtype,
+                                             head_dim, q.mask, q.score, nullptr);
   return kernel.launch == nullptr ? 0 : kernel.smem_bytes;
 }
 

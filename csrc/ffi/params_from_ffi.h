@@ -120,7 +120,7 @@ inline ffi::Error FillSegmentParams(const SegmentBuffers& b, const FwdParams& p,
 inline ffi::Error FillFwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                 const SegmentBuffers& segments, ffi::AnyBuffer out,
                                 ffi::AnyBuffer lse, float softmax_scale, int64_t diag_lo,
-                                int64_t diag_hi, FwdParams* p) {
+                                int64_t diag_hi, float softcap, FwdParams* p) {
   auto dtype = ToDType(q.element_type());
   if (dtype.has_error()) return dtype.error();
   if (k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
@@ -166,6 +166,15 @@ inline ffi::Error FillFwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   if (!std::isfinite(softmax_scale)) {
     return ffi::Error::InvalidArgument("jflash: softmax_scale must be finite");
   }
+  constexpr float kLog2e = 1.4426950408889634f;
+  // softcap: 0 (none) or > 0, with finite factors on both sides of the tanh
+  // (jflash/score.h; jflash/_src/validation.py checks the same).
+  const float softcap_scale = softcap > 0.f ? softmax_scale / softcap : 0.f;
+  if (!(softcap >= 0.f) || !std::isfinite(softcap * kLog2e) || !std::isfinite(softcap_scale)) {
+    return ffi::Error::InvalidArgument(
+        "jflash: softcap must be 0 (none) or > 0, with softcap * log2(e) and softmax_scale / "
+        "softcap finite; got " + std::to_string(softcap));
+  }
 
   p->dtype = *dtype;
   p->q = q.untyped_data();
@@ -185,7 +194,11 @@ inline ffi::Error FillFwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   p->head_dim = static_cast<int>(qs->head_dim);
   p->heads_per_kv = p->num_heads / p->num_heads_kv;
   p->softmax_scale = softmax_scale;
-  p->softmax_scale_log2 = softmax_scale * 1.4426950408889634f;
+  // With softcap the kernels' score is tanh(softcap_scale * q.k), which the
+  // softmax takes times softcap.
+  p->softmax_scale_log2 = (softcap > 0.f ? softcap : softmax_scale) * kLog2e;
+  p->softcap = softcap;
+  p->softcap_scale = softcap_scale;
   // Clamp here too so that kernels may rely on the documented range.
   auto clamp = [](int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); };
   p->mask.diag_lo = clamp(diag_lo, -qs->seq, ks->seq);
@@ -200,8 +213,9 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
                                 ffi::AnyBuffer dv, ffi::AnyBuffer dq_accum, ffi::AnyBuffer delta,
                                 ffi::AnyBuffer dq_semaphore, ffi::AnyBuffer dkv_accum,
                                 float softmax_scale, int64_t diag_lo, int64_t diag_hi,
-                                BwdParams* p, bool uses_dq_accum = true) {
-  if (auto err = FillFwdParams(q, k, v, segments, out, lse, softmax_scale, diag_lo, diag_hi, p);
+                                float softcap, BwdParams* p, bool uses_dq_accum = true) {
+  if (auto err = FillFwdParams(q, k, v, segments, out, lse, softmax_scale, diag_lo, diag_hi,
+                               softcap, p);
       err.failure()) {
     return err;
   }

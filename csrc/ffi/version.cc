@@ -16,22 +16,28 @@ JFLASH_EXPORT int jflash_ffi_api_major() { return XLA_FFI_API_MAJOR; }
 JFLASH_EXPORT int jflash_ffi_api_minor() { return XLA_FFI_API_MINOR; }
 JFLASH_EXPORT const char* jflash_build_jaxlib_version() { return JFLASH_BUILD_JAXLIB_VERSION; }
 
-// The kernels' head dims (jflash/head_dims.h) for Python: writes at most
-// capacity of them to out and returns how many there are.
-JFLASH_EXPORT int jflash_kernel_head_dims(int* out, int capacity) {
-  for (int i = 0; i < jflash::kNumKernelHeadDims && i < capacity; ++i) {
-    out[i] = jflash::kKernelHeadDims[i];
-  }
-  return jflash::kNumKernelHeadDims;
+namespace {
+
+// Writes at most capacity entries of a head-dim list to out; returns its length.
+template <int kCount>
+int write_head_dims(const int (&dims)[kCount], int* out, int capacity) {
+  for (int i = 0; i < kCount && i < capacity; ++i) out[i] = dims[i];
+  return kCount;
 }
 
-// The head dims of the segment-id kernels and the block size of their
-// summaries (jflash/head_dims.h, jflash/mask.h), for Python.
+}  // namespace
+
+// The head-dim lists of jflash/head_dims.h for Python: every kernel's, the
+// segment-id kernels' and the softcap kernels'; and the block size of the
+// segment ids' summaries (jflash/mask.h).
+JFLASH_EXPORT int jflash_kernel_head_dims(int* out, int capacity) {
+  return write_head_dims(jflash::kKernelHeadDims, out, capacity);
+}
 JFLASH_EXPORT int jflash_segment_head_dims(int* out, int capacity) {
-  for (int i = 0; i < jflash::kNumSegmentHeadDims && i < capacity; ++i) {
-    out[i] = jflash::kSegmentHeadDims[i];
-  }
-  return jflash::kNumSegmentHeadDims;
+  return write_head_dims(jflash::kSegmentHeadDims, out, capacity);
+}
+JFLASH_EXPORT int jflash_softcap_head_dims(int* out, int capacity) {
+  return write_head_dims(jflash::kSoftcapHeadDims, out, capacity);
 }
 JFLASH_EXPORT int jflash_segment_block() { return jflash::kSegmentBlock; }
 

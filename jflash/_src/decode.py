@@ -69,7 +69,7 @@ def resolve_kvcache_arguments(query, k_cache, v_cache, cache_seqlens, k_new, v_n
     return_lse = validation.check_bool("return_lse", return_lse)
     softmax_scale = validation.check_softmax_scale(softmax_scale, query.shape[3])
     window_size = validation.check_window_size(window_size)
-    softcap = validation.check_softcap(softcap)
+    softcap = validation.check_softcap(softcap, softmax_scale)
     num_splits = validation.check_num_splits(num_splits)
     left, right = decode_window(causal, window_size)
     config = DecodeConfig(softmax_scale, softcap or 0.0, left, right, num_splits)

@@ -22,7 +22,8 @@ output by the row's validity) with zero gradients, which is the kernels' answer
 for a row that sees no key; a row within its length that sees no key (all its
 keys padded or outside the band) gets jax's mean of the values, as above.
 q_segment_ids and kv_segment_ids are jflash's own keywords (jax.nn has none):
-where jax's function runs instead, they become its boolean mask.
+where jax's function runs instead, they become its boolean mask. So is softcap,
+which jax's function cannot compute: a call with it runs the kernels or raises.
 """
 
 from __future__ import annotations
@@ -198,6 +199,7 @@ def dot_product_attention(
     deterministic=False,
     q_segment_ids=None,
     kv_segment_ids=None,
+    softcap=None,
 ):
     """jax.nn.dot_product_attention, computed by the jflash kernels where they apply.
 
@@ -227,6 +229,10 @@ def dot_product_attention(
         key s only where q_segment_ids[b, t] == kv_segment_ids[b, s] (packed
         documents; see jflash.flash_attention), on top of the other masks. A
         call that goes to jax's own function gets them as its boolean mask.
+      softcap: a jflash extension: None, or c > 0: the logits become
+        c * tanh(logits / c) (see jflash.flash_attention). jax's function has
+        no such option: with softcap, a call that the kernels cannot run, or
+        implementation "xla" or "cudnn", raises a ValueError.
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
@@ -259,14 +265,18 @@ def dot_product_attention(
 
     deterministic = validation.check_bool("deterministic", deterministic)
     if implementation in ("xla", "cudnn"):
+        if softcap is not None:
+            raise ValueError(f"softcap is a jflash extension; implementation={implementation!r} "
+                             "(jax's function) has no softcap: use None or 'jflash'")
         return jax_attention(implementation)
     q, k, v = (jnp.asarray(x) for x in (query, key, value))
     reason = _unsupported(
         q, k, v, bias, mask, scale, query_seq_lengths, key_value_seq_lengths, local_window_size
     )
     if reason is not None:
-        if implementation == "jflash":
-            raise ValueError(f"implementation='jflash' cannot run this call: {reason}")
+        if implementation == "jflash" or softcap is not None:
+            why = "implementation='jflash'" if softcap is None else "softcap (a jflash extension)"
+            raise ValueError(f"{why} needs jflash's kernels, which cannot run this call: {reason}")
         return jax_attention(None)
 
     output_shape = q.shape
@@ -277,12 +287,13 @@ def dot_product_attention(
     window = None if local_window_size is None else _window(local_window_size)
     diag_lo, diag_hi = masks.top_left_band(seqlen_q, seqlen_k, bool(is_causal), window)
     softmax_scale = 1.0 / np.sqrt(head_dim) if scale is None else _static_scale(scale)
+    softcap = validation.check_softcap(softcap, float(softmax_scale))
     q_lengths, kv_lengths = query_seq_lengths, key_value_seq_lengths
     kernel_ids = _kernel_segment_ids(segment_ids, q_lengths, kv_lengths, seqlen_q, seqlen_k)
     out, lse = attention_band(
         q, k, v, softmax_scale=float(softmax_scale), diag_lo=diag_lo, diag_hi=diag_hi,
         deterministic=deterministic, q_segment_ids=None if kernel_ids is None else kernel_ids[0],
-        kv_segment_ids=None if kernel_ids is None else kernel_ids[1],
+        kv_segment_ids=None if kernel_ids is None else kernel_ids[1], softcap=softcap,
     )
     if kernel_ids is None:
         empty = masks.rows_without_keys(seqlen_q, seqlen_k, diag_lo, diag_hi)

@@ -1,6 +1,6 @@
 """Loads the compiled jflash libraries and registers their XLA FFI targets.
 
-Target names carry an ABI version (``jflash_fwd_v2``): a serialized program
+Target names carry an ABI version (``jflash_fwd_v3``): a serialized program
 (jax.export) that names a target never binds to a handler of a changed ABI.
 The CPU and CUDA handlers share names and argument order, so one ``ffi_call``
 lowers for either platform.
@@ -17,8 +17,8 @@ import jaxlib
 
 from jflash._src import masks
 
-FWD_TARGET = "jflash_fwd_v2"
-BWD_TARGET = "jflash_bwd_v4"
+FWD_TARGET = "jflash_fwd_v3"
+BWD_TARGET = "jflash_bwd_v5"
 # Decode over a KV cache (jflash.flash_attention_with_kvcache): without and
 # with an append (the latter aliases the caches to two of its results).
 DECODE_TARGET = "jflash_decode_v1"
@@ -118,11 +118,13 @@ def _read_list(function) -> tuple[int, ...]:
     return tuple(out[: min(count, capacity)])
 
 
-# The head dims the kernels are built for, and the subset that calls with segment
-# ids run on (csrc/include/jflash/head_dims.h); the block of rows (keys) that
-# segment ids are summarized by (csrc/include/jflash/mask.h, kSegmentBlock).
+# The head dims the kernels are built for, and the subsets that calls with segment
+# ids and with softcap run on (csrc/include/jflash/head_dims.h); the block of rows
+# (keys) that segment ids are summarized by (csrc/include/jflash/mask.h,
+# kSegmentBlock).
 KERNEL_HEAD_DIMS = _read_list(_cpu_lib.jflash_kernel_head_dims)
 SEGMENT_HEAD_DIMS = _read_list(_cpu_lib.jflash_segment_head_dims)
+SOFTCAP_HEAD_DIMS = _read_list(_cpu_lib.jflash_softcap_head_dims)
 SEGMENT_BLOCK = int(_cpu_lib.jflash_segment_block())
 # The head dims of the decode kernels (the same header).
 DECODE_HEAD_DIMS = _read_list(_cpu_lib.jflash_decode_head_dims)
@@ -141,23 +143,36 @@ def _cuda_dtype_code(dtype) -> int | None:
     return {"float16": 0, "bfloat16": 1}.get(jax.numpy.dtype(dtype).name)
 
 
-def cuda_forward_family(dtype, head_dim: int, banded: bool, segments: bool = False) -> int:
+# ScoreKind of csrc/include/jflash/score.h.
+_SCORE_KIND_PLAIN = 0
+_SCORE_KIND_SOFTCAP = 1
+
+
+def _kinds(banded: bool, segments: bool, softcap: bool) -> tuple[int, int]:
+    """(MaskKind, ScoreKind) of a call: the registry's key beside dtype and head dim."""
+    return masks.mask_kind(banded, segments), _SCORE_KIND_SOFTCAP if softcap else _SCORE_KIND_PLAIN
+
+
+def cuda_forward_family(dtype, head_dim: int, banded: bool, segments: bool = False,
+                        softcap: bool = False) -> int:
     """The CUDA forward kernel a call would run on the current GPU.
 
     90: the Hopper (TMA + wgmma) kernel; 80: the sm80 kernel; 0: this build has
-    neither for (dtype, head_dim, mask); -1: no usable GPU, or an invalid
-    JFLASH_CUDA_FORWARD. head_dim is the kernel's (padded) head dim; the mask is
-    segment ids where segments, else a band or none. For tests and benchmarks;
-    the choice itself is made per call in the C++ handler.
+    neither for (dtype, head_dim, mask, softcap); -1: no usable GPU, or an
+    invalid JFLASH_CUDA_FORWARD. head_dim is the kernel's (padded) head dim; the
+    mask is segment ids where segments, else a band or none; softcap: the
+    softcap kernels. For tests and benchmarks; the choice itself is made per
+    call in the C++ handler.
     """
     code = _cuda_dtype_code(dtype)
     if code is None:
         return 0
-    kind = masks.mask_kind(banded, segments)
-    return int(_cuda_lib.jflash_cuda_forward_family(code, int(head_dim), kind))
+    kinds = _kinds(banded, segments, softcap)
+    return int(_cuda_lib.jflash_cuda_forward_family(code, int(head_dim), *kinds))
 
 
-def cuda_backward_family(dtype, head_dim: int, banded: bool, segments: bool = False) -> int:
+def cuda_backward_family(dtype, head_dim: int, banded: bool, segments: bool = False,
+                         softcap: bool = False) -> int:
     """The CUDA backward kernel a call would run on the current GPU.
 
     The same codes as cuda_forward_family, under JFLASH_CUDA_BACKWARD. Calls whose
@@ -167,12 +182,12 @@ def cuda_backward_family(dtype, head_dim: int, banded: bool, segments: bool = Fa
     code = _cuda_dtype_code(dtype)
     if code is None:
         return 0
-    kind = masks.mask_kind(banded, segments)
-    return int(_cuda_lib.jflash_cuda_backward_family(code, int(head_dim), kind))
+    kinds = _kinds(banded, segments, softcap)
+    return int(_cuda_lib.jflash_cuda_backward_family(code, int(head_dim), *kinds))
 
 
 def cuda_kernel_smem_bytes(direction: str, dtype, head_dim: int, banded: bool,
-                           segments: bool = False) -> int:
+                           segments: bool = False, softcap: bool = False) -> int:
     """Shared memory per block of the CUDA kernel a call would run on the current GPU.
 
     direction: "fwd" or "bwd". The handler picks the small-shared-memory tile
@@ -186,9 +201,10 @@ def cuda_kernel_smem_bytes(direction: str, dtype, head_dim: int, banded: bool,
     code = _cuda_dtype_code(dtype)
     if code is None:
         return 0
+    kinds = _kinds(banded, segments, softcap)
     return int(
         _cuda_lib.jflash_cuda_kernel_smem_bytes(
-            0 if direction == "fwd" else 1, code, int(head_dim), masks.mask_kind(banded, segments)
+            0 if direction == "fwd" else 1, code, int(head_dim), *kinds
         )
     )
 

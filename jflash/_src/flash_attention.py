@@ -5,7 +5,9 @@ Backward: dq, dk, dv = kernel(q, k, v, out, dout, lse, dlse)
           recomputes P = exp(S - lse) tile by tile; no seq_q x seq_k buffer.
 
 The gradient flows through lse too (dS = P * (dP - (delta - dlse))), which
-ring attention and other lse-combining callers rely on.
+ring attention and other lse-combining callers rely on. With softcap c the
+scores are c * tanh(s / c) for s = softmax_scale * q.k, and dS is taken back
+through the cap: times 1 - tanh(s / c)^2.
 """
 
 from __future__ import annotations
@@ -37,21 +39,22 @@ SECOND_ORDER_UNSUPPORTED = (
 # layout, layout axis size), read when the call is traced
 # (context_parallel.current_config) and static like the band. seg: None, or the
 # int32 segment ids (q ids [batch, seq_q], kv ids [batch, seq_k]), which get no
-# gradient.
-@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6, 7))
-def _forward(q, k, v, seg, softmax_scale, diag_lo, diag_hi, cp):
+# gradient. softcap: None, or the cap (a Python float), static too.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _forward(q, k, v, seg, softmax_scale, softcap, diag_lo, diag_hi, cp):
     return kernel_calls.fwd(
         q, k, v, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi, context_parallel=cp,
-        segment_ids=seg,
+        segment_ids=seg, softcap=softcap,
     )
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(8, 9, 10, 11, 12))
-def _backward(q, k, v, out, dout, lse, dlse, seg, softmax_scale, diag_lo, diag_hi, cp,
+@functools.partial(jax.custom_jvp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
+def _backward(q, k, v, out, dout, lse, dlse, seg, softmax_scale, softcap, diag_lo, diag_hi, cp,
               deterministic):
     return kernel_calls.bwd(
         q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=diag_lo,
         diag_hi=diag_hi, context_parallel=cp, deterministic=deterministic, segment_ids=seg,
+        softcap=softcap,
     )
 
 
@@ -69,21 +72,22 @@ _backward.defjvp(_no_second_order)
 
 
 # deterministic: the backward's gradients bit-identical from run to run.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _attention(q, k, v, seg, softmax_scale, diag_lo, diag_hi, cp, deterministic):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _attention(q, k, v, seg, softmax_scale, softcap, diag_lo, diag_hi, cp, deterministic):
     del deterministic
-    return _forward(q, k, v, seg, softmax_scale, diag_lo, diag_hi, cp)
+    return _forward(q, k, v, seg, softmax_scale, softcap, diag_lo, diag_hi, cp)
 
 
-def _attention_fwd(q, k, v, seg, softmax_scale, diag_lo, diag_hi, cp, deterministic):
+def _attention_fwd(q, k, v, seg, softmax_scale, softcap, diag_lo, diag_hi, cp, deterministic):
     del deterministic
-    out, lse = _forward(q, k, v, seg, softmax_scale, diag_lo, diag_hi, cp)
+    out, lse = _forward(q, k, v, seg, softmax_scale, softcap, diag_lo, diag_hi, cp)
     out = checkpoint_name(out, OUT_NAME)
     lse = checkpoint_name(lse, LSE_NAME)
     return (out, lse), (q, k, v, seg, out, lse)
 
 
-def _attention_bwd(softmax_scale, diag_lo, diag_hi, cp, deterministic, residuals, cotangents):
+def _attention_bwd(softmax_scale, softcap, diag_lo, diag_hi, cp, deterministic, residuals,
+                   cotangents):
     q, k, v, seg, out, lse = residuals
     dout, dlse = cotangents
     dq, dk, dv = _backward(
@@ -96,6 +100,7 @@ def _attention_bwd(softmax_scale, diag_lo, diag_hi, cp, deterministic, residuals
         dlse.astype(jnp.float32),
         seg,
         softmax_scale,
+        softcap,
         diag_lo,
         diag_hi,
         cp,
@@ -108,13 +113,14 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, deterministic=False,
-                   q_segment_ids=None, kv_segment_ids=None):
+                   q_segment_ids=None, kv_segment_ids=None, softcap=None):
     """Attention with the band mask diag_lo <= j - i <= diag_hi; returns (out, lse).
 
     deterministic: the gradients are bit-identical from run to run (see
     flash_attention). q_segment_ids, kv_segment_ids: both None, or int32
     [batch, seq_q] and [batch, seq_k]: key j is visible from query i only where
-    they are equal, on top of the band.
+    they are equal, on top of the band. softcap: None, or the cap c > 0 of the
+    scores (validated: validation.check_softcap).
 
     Positions i, j are true token positions: under
     jflash.context_parallel.sequence_layout("zigzag", n) the sequence axis holds
@@ -130,13 +136,17 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, determ
     seg = None
     if q_segment_ids is not None:
         seg = (jnp.asarray(q_segment_ids, jnp.int32), jnp.asarray(kv_segment_ids, jnp.int32))
-    kernel_head_dim = kernel_calls.padded_head_dim(head_dim, segments=seg is not None)
+    if softcap is not None:
+        softcap = float(softcap)
+    kernel_head_dim = kernel_calls.padded_head_dim(head_dim, segments=seg is not None,
+                                                   softcap=softcap is not None)
     if kernel_head_dim != head_dim:
         pad = [(0, 0), (0, 0), (0, 0), (0, kernel_head_dim - head_dim)]
         query, key, value = (jnp.pad(x, pad) for x in (query, key, value))
     cp = context_parallel.current_config()
     out, lse = _attention(
-        query, key, value, seg, float(softmax_scale), diag_lo, diag_hi, cp, bool(deterministic)
+        query, key, value, seg, float(softmax_scale), softcap, diag_lo, diag_hi, cp,
+        bool(deterministic),
     )
     if kernel_head_dim != head_dim:
         out = out[..., :head_dim]
@@ -144,9 +154,10 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, determ
 
 
 def resolve_arguments(query, key, value, causal, softmax_scale, return_lse, window_size=None,
-                      q_segment_ids=None, kv_segment_ids=None):
+                      q_segment_ids=None, kv_segment_ids=None, softcap=None):
     """Validates flash_attention's arguments; (softmax_scale, diag_lo, diag_hi,
-    return_lse, segment_ids), segment_ids None or the int32 (q ids, kv ids).
+    return_lse, segment_ids, softcap), segment_ids None or the int32 (q ids, kv
+    ids), softcap None or a float > 0.
 
     Shared with jflash.reference.attention so that both read arguments alike.
     """
@@ -156,13 +167,14 @@ def resolve_arguments(query, key, value, causal, softmax_scale, return_lse, wind
     softmax_scale = validation.check_softmax_scale(softmax_scale, q_shape[3])
     window_size = validation.check_window_size(window_size)
     segment_ids = validation.check_segment_ids(q_segment_ids, kv_segment_ids, q_shape, k_shape)
+    softcap = validation.check_softcap(softcap, softmax_scale)
     diag_lo, diag_hi = window_band(q_shape[1], k_shape[1], causal, window_size)
-    return softmax_scale, diag_lo, diag_hi, return_lse, segment_ids
+    return softmax_scale, diag_lo, diag_hi, return_lse, segment_ids, softcap
 
 
 def flash_attention(query, key, value, *, causal=False, softmax_scale=None, return_lse=False,
                     window_size=None, q_segment_ids=None, kv_segment_ids=None,
-                    deterministic=False):
+                    softcap=None, deterministic=False):
     """Exact attention, computed tile by tile without a seq_q x seq_k buffer.
 
     Args:
@@ -196,6 +208,12 @@ def flash_attention(query, key, value, *, causal=False, softmax_scale=None, retu
         no gradient. Head dims other than 64, 128 and 256 are zero-padded up to
         the next of these for such calls. A sequence-sharded (context-parallel)
         call with segment ids gathers the sequence.
+      softcap: None (the default), or a static number c > 0: the scores
+        become c * tanh(softmax_scale * q.k / c) before the softmax (logit
+        soft-capping, as in Gemma 2), and the gradients are those of the capped
+        scores; lse is of the capped scores. An inf score is capped to +-c, a
+        NaN stays NaN. Head dims other than 64, 128 and 256 are zero-padded up
+        to the next of these for such calls. Works with every other option.
       deterministic: if True, the gradients are bit-identical from run to run
         on the same device and inputs. The CUDA backward then adds each query
         block's dq contributions in key-block order instead of as they come
@@ -205,14 +223,14 @@ def flash_attention(query, key, value, *, causal=False, softmax_scale=None, retu
     Returns:
       out with the shape and dtype of query, or (out, lse).
     """
-    softmax_scale, diag_lo, diag_hi, return_lse, segment_ids = resolve_arguments(
+    softmax_scale, diag_lo, diag_hi, return_lse, segment_ids, softcap = resolve_arguments(
         query, key, value, causal, softmax_scale, return_lse, window_size, q_segment_ids,
-        kv_segment_ids,
+        kv_segment_ids, softcap,
     )
     deterministic = validation.check_bool("deterministic", deterministic)
     q_ids, kv_ids = segment_ids or (None, None)
     out, lse = attention_band(
         query, key, value, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
-        deterministic=deterministic, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+        deterministic=deterministic, q_segment_ids=q_ids, kv_segment_ids=kv_ids, softcap=softcap,
     )
     return (out, lse) if return_lse else out

@@ -1,10 +1,12 @@
 """The two FFI calls (forward, backward) and how inputs are adapted to them.
 
 Everything here sees kernel-ready shapes: head_dim already padded to one of
-KERNEL_HEAD_DIMS (SEGMENT_HEAD_DIMS with segment ids) and the mask already
-reduced to a diagonal band and, optionally, segment ids [batch, seq] of the
-queries and the keys (masks.py, csrc/include/jflash/mask.h). Validation
-happens before, in flash_attention.py.
+KERNEL_HEAD_DIMS (and of SEGMENT_HEAD_DIMS with segment ids, SOFTCAP_HEAD_DIMS
+with softcap) and the mask already reduced to a diagonal band and, optionally,
+segment ids [batch, seq] of the queries and the keys (masks.py,
+csrc/include/jflash/mask.h). softcap: None, or the cap c > 0 of the scores
+(csrc/include/jflash/score.h). Validation happens before, in
+flash_attention.py.
 """
 
 from __future__ import annotations
@@ -26,16 +28,25 @@ from jflash._src.masks import clamp_band, segment_operands
 # and zero columns of v give output columns that are sliced off. The CPU kernel
 # takes the same padded shapes so that both platforms run one traced program.
 KERNEL_HEAD_DIMS = _ffi.KERNEL_HEAD_DIMS
-# Calls with segment ids run on kernels built for these head dims only (the CUDA
-# build time), and pad other head dims up to the next of them, on every platform.
+# Calls with segment ids, and calls with softcap, run on kernels built for these
+# head dims only (the CUDA build time), and pad other head dims up to the next of
+# them (of both lists for both options), on every platform.
 SEGMENT_HEAD_DIMS = _ffi.SEGMENT_HEAD_DIMS
+SOFTCAP_HEAD_DIMS = _ffi.SOFTCAP_HEAD_DIMS
 
 
-def padded_head_dim(head_dim: int, segments: bool = False) -> int:
-    for d in SEGMENT_HEAD_DIMS if segments else KERNEL_HEAD_DIMS:
-        if head_dim <= d:
+def padded_head_dim(head_dim: int, segments: bool = False, softcap: bool = False) -> int:
+    lists = [dims for dims, used in ((SEGMENT_HEAD_DIMS, segments), (SOFTCAP_HEAD_DIMS, softcap))
+             if used]
+    for d in KERNEL_HEAD_DIMS:
+        if head_dim <= d and all(d in dims for dims in lists):
             return d
     raise ValueError(f"head_dim {head_dim} exceeds {KERNEL_HEAD_DIMS[-1]}")
+
+
+def _softcap_attribute(softcap):
+    """The FFI's softcap attribute: the cap as float32, 0 for none."""
+    return np.float32(0.0 if softcap is None else softcap)
 
 
 def _segment_operands(segment_ids):
@@ -48,7 +59,7 @@ def _segment_operands(segment_ids):
     return segment_operands(*segment_ids, _ffi.SEGMENT_BLOCK)
 
 
-def _fwd_ffi(q, k, v, *, softmax_scale, diag_lo, diag_hi, segment_ids=None):
+def _fwd_ffi(q, k, v, *, softmax_scale, diag_lo, diag_hi, segment_ids=None, softcap=None):
     *lead, seqlen_q, num_heads, _ = q.shape
     call = jax.ffi.ffi_call(
         _ffi.FWD_TARGET,
@@ -68,6 +79,7 @@ def _fwd_ffi(q, k, v, *, softmax_scale, diag_lo, diag_hi, segment_ids=None):
         softmax_scale=np.float32(softmax_scale),
         diag_lo=np.int64(diag_lo),
         diag_hi=np.int64(diag_hi),
+        softcap=_softcap_attribute(softcap),
     )
 
 
@@ -77,7 +89,7 @@ _DQ_SEMAPHORE_ROWS = 32
 
 
 def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, on_cpu,
-             deterministic=False, segment_ids=None):
+             deterministic=False, segment_ids=None, softcap=None):
     *lead, seqlen_q, num_heads, head_dim = q.shape
     f32 = jnp.float32
     # The CUDA kernels accumulate dq in a float32 scratch; the CPU kernel keeps
@@ -121,24 +133,26 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
         softmax_scale=np.float32(softmax_scale),
         diag_lo=np.int64(diag_lo),
         diag_hi=np.int64(diag_hi),
+        softcap=_softcap_attribute(softcap),
     )
     return dq, dk, dv
 
 
-def fwd_band_call(softmax_scale):
+def fwd_band_call(softmax_scale, softcap=None):
     """call(q, k, v, diag_lo, diag_hi, segment_ids=None) -> (out, lse): the forward
     kernel on any arrays, its band clamped to their lengths (context_parallel.py's
-    chunk pairs); segment_ids: None or (q ids, kv ids) of those arrays."""
+    chunk pairs: the cap applies score by score, so chunks combine exactly);
+    segment_ids: None or (q ids, kv ids) of those arrays."""
 
     def call(q, k, v, diag_lo, diag_hi, segment_ids=None):
         lo, hi = clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
         return _fwd_ffi(q, k, v, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi,
-                        segment_ids=segment_ids)
+                        segment_ids=segment_ids, softcap=softcap)
 
     return call
 
 
-def bwd_band_call(softmax_scale, *, on_cpu, deterministic=False):
+def bwd_band_call(softmax_scale, *, on_cpu, deterministic=False, softcap=None):
     """call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi, segment_ids=None) ->
     (dq, dk, dv); on_cpu: the CPU branch of bwd (no dq scratch); deterministic: dq
     bit-identical from run to run."""
@@ -147,7 +161,7 @@ def bwd_band_call(softmax_scale, *, on_cpu, deterministic=False):
         lo, hi = clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
         return _bwd_ffi(
             q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi,
-            on_cpu=on_cpu, deterministic=deterministic, segment_ids=segment_ids,
+            on_cpu=on_cpu, deterministic=deterministic, segment_ids=segment_ids, softcap=softcap,
         )
 
     return call
@@ -158,20 +172,22 @@ def _segments(segment_ids):
     return tuple(segment_ids) if segment_ids else None
 
 
-def _fwd_body(q, k, v, *segment_ids, softmax_scale, diag_lo, diag_hi, context_parallel):
+def _fwd_body(q, k, v, *segment_ids, softmax_scale, softcap, diag_lo, diag_hi,
+              context_parallel):
     """The forward of a whole sequence, in the token order context_parallel declares."""
     return _cp.full_sequence_fwd(
         q, k, v, diag_lo=diag_lo, diag_hi=diag_hi, config=context_parallel,
-        call=fwd_band_call(softmax_scale), segment_ids=_segments(segment_ids),
+        call=fwd_band_call(softmax_scale, softcap), segment_ids=_segments(segment_ids),
     )
 
 
-def _bwd_body(q, k, v, out, dout, lse, dlse, *segment_ids, softmax_scale, diag_lo, diag_hi,
-              context_parallel, on_cpu, deterministic):
+def _bwd_body(q, k, v, out, dout, lse, dlse, *segment_ids, softmax_scale, softcap, diag_lo,
+              diag_hi, context_parallel, on_cpu, deterministic):
     return _cp.full_sequence_bwd(
         q, k, v, out, dout, lse, dlse, diag_lo=diag_lo, diag_hi=diag_hi,
         config=context_parallel,
-        call=bwd_band_call(softmax_scale, on_cpu=on_cpu, deterministic=deterministic),
+        call=bwd_band_call(softmax_scale, on_cpu=on_cpu, deterministic=deterministic,
+                           softcap=softcap),
         segment_ids=_segments(segment_ids),
     )
 
@@ -192,13 +208,15 @@ _GPU_COMPUTE_DTYPE = jnp.bfloat16
 
 
 def fwd(q, k, v, *, softmax_scale, diag_lo, diag_hi, context_parallel=_cp.DEFAULT_CONFIG,
-        segment_ids=None):
-    """(out, lse) for kernel-ready inputs; lse is float32 [batch, heads, seqlen_q].
+        segment_ids=None, softcap=None):
+    """(out, lse) for kernel-ready inputs; lse is float32 [batch, heads, seqlen_q],
+    of the capped scores with softcap.
 
     context_parallel: (strategy, layout, layout axis size), context_parallel.py.
     segment_ids: None, or int32 (q ids [batch, seqlen_q], kv ids [batch, seqlen_k]).
+    softcap: None, or the cap c > 0 (a Python float).
     """
-    kw = dict(softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
+    kw = dict(softmax_scale=softmax_scale, softcap=softcap, diag_lo=diag_lo, diag_hi=diag_hi,
               context_parallel=context_parallel)
     ids = tuple(segment_ids or ())
     if q.dtype != jnp.float32:
@@ -215,13 +233,15 @@ def fwd(q, k, v, *, softmax_scale, diag_lo, diag_hi, context_parallel=_cp.DEFAUL
 
 
 def bwd(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi,
-        context_parallel=_cp.DEFAULT_CONFIG, deterministic=False, segment_ids=None):
+        context_parallel=_cp.DEFAULT_CONFIG, deterministic=False, segment_ids=None,
+        softcap=None):
     """(dq, dk, dv) in the input dtype, recomputing attention from (q, k, v, out, lse).
 
     deterministic: gradients bit-identical from run to run (the CUDA kernels add
-    dq in key-block order; the CPU kernel always does). segment_ids: as for fwd.
+    dq in key-block order; the CPU kernel always does). segment_ids, softcap: as
+    for fwd.
     """
-    kw = dict(softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
+    kw = dict(softmax_scale=softmax_scale, softcap=softcap, diag_lo=diag_lo, diag_hi=diag_hi,
               context_parallel=context_parallel, on_cpu=False,
               deterministic=bool(deterministic))
     ids = tuple(segment_ids or ())

@@ -191,7 +191,7 @@ def _partitioned(call, rule, local_shardings, result_specs, band_call):
     """custom_partitioning of call(*arrays, **static) with a custom_vmap around it.
 
     result_specs maps the operands' full PartitionSpecs to the results' specs
-    (used under Explicit mesh axes only). band_call(softmax_scale, ...) is the
+    (used under Explicit mesh axes only). band_call(softmax_scale, ..., softcap) is the
     kernel on chunk pairs that a context-parallel lowering calls."""
 
     @functools.partial(custom_partitioning, static_argnums=(0,))
@@ -292,7 +292,7 @@ def _fwd_shardings(mesh, arg_shapes, lower, static, band_call):
     (q_like, kv, row, ids), _, plan = _local_shardings(mesh, arg_shapes, static, segments)
     if plan is not None:
         lower = _without_mesh_context(functools.partial(
-            cp.sharded_fwd, plan=plan, call=band_call(static["softmax_scale"])
+            cp.sharded_fwd, plan=plan, call=band_call(static["softmax_scale"], static["softcap"])
         ))
     return (q_like, row), (q_like, kv, kv) + (ids, ids) * segments, lower
 
@@ -305,7 +305,7 @@ def _bwd_shardings(mesh, arg_shapes, lower, static, band_call):
         lower = _without_mesh_context(functools.partial(
             cp.sharded_bwd, plan=plan,
             call=band_call(static["softmax_scale"], on_cpu=static["on_cpu"],
-                           deterministic=static["deterministic"]),
+                           deterministic=static["deterministic"], softcap=static["softcap"]),
         ))
     if partial_axes:
         unsummed = lower

@@ -88,14 +88,20 @@ def check_softmax_scale(softmax_scale, head_dim):
     """Returns the scale as a Python float; defaults to 1/sqrt(head_dim)."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(
-        softmax_scale, (numbers.Real, np.floating, np.integer)
+    _check_static_real("softmax_scale", softmax_scale)
+    return check_scale_value("softmax_scale", softmax_scale)
+
+
+def _check_static_real(name, value, alternative=""):
+    """TypeError unless value is a Python or NumPy real number (bool is not);
+    alternative: what else the argument may be, for the message ("None or ")."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (numbers.Real, np.floating, np.integer)
     ):
         raise TypeError(
-            "softmax_scale must be a Python or NumPy real number (a static value), "
-            f"got {type(softmax_scale).__name__}"
+            f"{name} must be {alternative}a Python or NumPy real number (a static value), "
+            f"got {type(value).__name__}"
         )
-    return check_scale_value("softmax_scale", softmax_scale)
 
 
 def check_scale_value(name, value):
@@ -111,6 +117,31 @@ def check_scale_value(name, value):
             f"{float(np.finfo(np.float32).max):.4g}), got {_short_repr(value)}"
         )
     return float(np.float32(scale))
+
+
+def check_softcap(softcap, softmax_scale):
+    """None (no cap), or the cap c > 0 as the Python float of the float32 the
+    kernels receive: a static real number, finite and > 0 as float32, such that
+    the factors the kernels derive, softmax_scale / c and c * log2(e), are finite
+    as float32 too (softmax_scale: the checked scale)."""
+    if softcap is None:
+        return None
+    _check_static_real("softcap", softcap, alternative="None or ")
+    try:
+        cap = float(softcap)
+    except OverflowError:
+        cap = math.inf
+    cap32 = float(np.float32(cap)) if finite_as_float32(cap) else math.nan
+    if not cap32 > 0:
+        raise ValueError(f"softcap must be None or a number > 0, finite as float32, got "
+                         f"{_short_repr(softcap)}")
+    factors = (softmax_scale / cap32, cap32 * math.log2(math.e))
+    if not all(finite_as_float32(x) for x in factors):
+        raise ValueError(
+            f"softcap {_short_repr(softcap)} with softmax_scale {softmax_scale} is out of "
+            "float32's range: softmax_scale / softcap and softcap * log2(e) must be finite"
+        )
+    return cap32
 
 
 def _short_repr(value):
@@ -279,22 +310,6 @@ def _rank_checked_table(block_table, batch):
         raise ValueError(f"block_table must have shape [batch, max_blocks_per_seq] with batch "
                          f"{batch} and at least one block, got shape {shape}")
     return _int32_array("block_table", block_table, shape, "[batch, max_blocks_per_seq]")
-
-
-def check_softcap(softcap):
-    """None (no softcap), or the cap c > 0 of c * tanh(score / c) as the float32 the
-    kernels receive."""
-    if softcap is None:
-        return None
-    if isinstance(softcap, (bool, np.bool_)) or not isinstance(
-        softcap, (numbers.Real, np.floating, np.integer)
-    ):
-        raise TypeError(f"softcap must be None or a real number (a static value), got "
-                        f"{type(softcap).__name__}")
-    cap = check_scale_value("softcap", softcap)
-    if not cap > 0:
-        raise ValueError(f"softcap must be > 0 (None for no softcap), got {_short_repr(softcap)}")
-    return cap
 
 
 def check_num_splits(num_splits):

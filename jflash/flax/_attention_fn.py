@@ -154,7 +154,7 @@ def _kernels_cannot_run(query, key, value, dtype):
     return _unsupported(*_shapes_4d(query, key, value, dtype), None, None, None, None, None, None)
 
 
-def attend(query, key, value, *, is_causal, local_window_size, implementation):
+def attend(query, key, value, *, is_causal, local_window_size, implementation, softcap=None):
     """jflash.dot_product_attention on [batch..., length, heads, head_dim] arrays,
     q/k/v promoted to their common dtype first as Flax does."""
     _check_batch_dims(query, key, value)
@@ -170,12 +170,13 @@ def attend(query, key, value, *, is_causal, local_window_size, implementation):
         is_causal=is_causal,
         local_window_size=local_window_size,
         implementation=implementation,
+        softcap=softcap,
     )
     return jnp.reshape(out, (*batch_shape, *out.shape[1:]))
 
 
 def attend_with_cache(query, key, value, cached_key, cached_value, cache_index, *, is_causal,
-                      local_window_size):
+                      local_window_size, softcap=None):
     """The layers' decode step: key and value [batch..., length, kv_heads, head_dim]
     are written into the cache [batch..., max_length, kv_heads, head_dim] at
     cache_index, and query [batch..., length, heads, head_dim] attends over its
@@ -197,7 +198,7 @@ def attend_with_cache(query, key, value, cached_key, cached_value, cache_index, 
     out, cached_key, cached_value = flash_attention_with_kvcache(
         flat(query), flat(cached_key), flat(cached_value),
         cache_seqlens=jnp.full((batch,), cache_index, jnp.int32), k_new=flat(key),
-        v_new=flat(value), causal=bool(is_causal), window_size=window,
+        v_new=flat(value), causal=bool(is_causal), window_size=window, softcap=softcap,
     )
     out = jnp.reshape(out, (*batch_shape, *out.shape[1:])).astype(query.dtype)
     return (out, jnp.reshape(cached_key, (*batch_shape, *cached_key.shape[1:])),

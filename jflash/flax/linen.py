@@ -43,6 +43,8 @@ class MultiHeadAttention(nn.Module):
       implementation: passed to jflash.dot_product_attention (None, "jflash",
         "xla", "cudnn").
       decode: run as one step of autoregressive decoding with a KV cache (above).
+      softcap: None, or c > 0: the logits become c * tanh(logits / c) (Gemma 2's
+        attention logit soft-capping; on jflash's kernels only).
     """
 
     num_heads: int
@@ -58,6 +60,7 @@ class MultiHeadAttention(nn.Module):
     local_window_size: int | tuple[int, int] | None = None
     implementation: str | None = None
     decode: bool = False
+    softcap: float | None = None
 
     @nn.compact
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None):
@@ -95,6 +98,7 @@ class MultiHeadAttention(nn.Module):
             x, cached_key.value, cached_value.value = attend_with_cache(
                 query, key, value, cached_key.value, cached_value.value, cache_index.value,
                 is_causal=self.is_causal, local_window_size=self.local_window_size,
+                softcap=self.softcap,
             )
             cache_index.value = cache_index.value + key.shape[-3]
         else:
@@ -105,6 +109,7 @@ class MultiHeadAttention(nn.Module):
                 is_causal=self.is_causal,
                 local_window_size=self.local_window_size,
                 implementation=self.implementation,
+                softcap=self.softcap,
             )
         return nn.DenseGeneral(
             features=self.out_features or inputs_q.shape[-1],

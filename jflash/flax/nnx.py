@@ -39,6 +39,8 @@ class MultiHeadAttention(nnx.Module):
         i - left ... i + right.
       implementation: passed to jflash.dot_product_attention (not to decode steps).
       decode: the default of __call__'s decode.
+      softcap: None, or c > 0: the logits become c * tanh(logits / c) (on
+        jflash's kernels only).
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class MultiHeadAttention(nnx.Module):
         local_window_size: int | tuple[int, int] | None = None,
         implementation: str | None = None,
         decode: bool = False,
+        softcap: float | None = None,
         rngs: nnx.Rngs,
     ):
         qkv_features = qkv_features or in_features
@@ -83,6 +86,7 @@ class MultiHeadAttention(nnx.Module):
         self.cached_key = nnx.data(None)
         self.cached_value = nnx.data(None)
         self.cache_index = nnx.data(None)
+        self.softcap = softcap
 
         def linear(in_features, out_features, **kw):
             return nnx.LinearGeneral(
@@ -127,7 +131,7 @@ class MultiHeadAttention(nnx.Module):
             x, cached_key, cached_value = attend_with_cache(
                 query, key, value, self.cached_key.get_value(), self.cached_value.get_value(),
                 self.cache_index.get_value(), is_causal=self.is_causal,
-                local_window_size=self.local_window_size,
+                local_window_size=self.local_window_size, softcap=self.softcap,
             )
             self.cached_key.set_value(cached_key)
             self.cached_value.set_value(cached_value)
@@ -140,5 +144,6 @@ class MultiHeadAttention(nnx.Module):
                 is_causal=self.is_causal,
                 local_window_size=self.local_window_size,
                 implementation=self.implementation,
+                softcap=self.softcap,
             )
         return self.out(x)

@@ -13,6 +13,8 @@
 //   P^T  = exp2(S^T * scale_log2 - lse_log2)          (registers)
 //   dV  += P^T dO                   (wgmma, P^T from registers)
 //   dS^T = P^T * (dP^T - delta)
+//   (softcap, kScore: P^T of t = tanh(S^T * softcap_scale), and dS^T times
+//   1 - t^2; jflash/score.h)
 //   dK  += dS^T Q                   (wgmma, dS^T from registers)
 //   dQ   = dS K                     (wgmma, dS from shared memory), added into
 //                                    the float32 dq_accum by a TMA reduce-add
@@ -197,7 +199,7 @@ __device__ __forceinline__ void load_column_stat(float (&out)[kCols], const floa
   }
 }
 
-template <typename Traits, typename Mask>
+template <typename Traits, typename Mask, ScoreKind kScore>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ BwdArgsSm90<Traits> args) {
   using Element = typename Traits::Element;
@@ -484,11 +486,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     load_column_stat<Traits::kTightRegisters>(lse_log2, smem.lse_log2[buffer], cS_rc, lane);
     const int key_limit =
         static_cast<int>(mask.band().keys_of_rows(0, params.seqlen_q, params.seqlen_k).end);
+    // Softcap: P^T of the capped score t (recomputed from S^T here rather than
+    // kept: registers are what this kernel lacks) goes to p_cap in Element for
+    // the dV product at once, and acc_s keeps P^T (1 - t^2) for dS^T (-0
+    // where masked, as P).
+    constexpr bool kSoftcap = kScore == ScoreKind::kSoftcap;
+    // The register-tight order converts acc_s to P^T after dS^T: it holds P^T
+    // itself only without softcap (softcap calls run the band or segment masks).
+    static_assert(!(kSoftcap && Traits::kTightRegisters));
+    Tensor p_cap = make_tensor<Element>(acc_s.layout());
+    Tensor p_cap_rc = make_tensor(p_cap.data(), acc_rowcol(acc_s.layout()));
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
+      float p_pair[2];
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) {
-        float p = fast_exp2(fmaf(s_rc(r, c), params.softmax_scale_log2, -lse_log2[c]));
+        const float score = kSoftcap ? fast_tanh(s_rc(r, c) * params.softcap_scale) : s_rc(r, c);
+        float p = fast_exp2(fmaf(score, params.softmax_scale_log2, -lse_log2[c]));
+        float ds_factor = kSoftcap ? p * (1.f - score * score) : p;
         if (needs_mask) {
           const int key = key0 + get<0>(cS_rc(r, c));
           const int row = row0 + get<1>(cS_rc(r, c));
@@ -496,18 +511,35 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                   ? row < seg_lo[r] || row >= seg_hi[r] ||
                                         !((seg_same >> (r * kCols + c)) & 1)
                                   : key >= key_limit || !visible(row, key);
-          if (hidden) p = -0.f;
+          if (hidden) p = ds_factor = -0.f;
         }
-        s_rc(r, c) = p;
+        s_rc(r, c) = ds_factor;
+        if constexpr (kSoftcap) {
+          // Columns 2j and 2j + 1 are neighbours in the fragment: one conversion.
+          p_pair[c % 2] = p;
+          if (c % 2 == 1) {
+            const auto pair = convert_pair<Element>(p_pair[0], p_pair[1]);
+            p_cap_rc(r, c - 1) = pair[0];
+            p_cap_rc(r, c) = pair[1];
+          }
+        }
       }
     }
+    // P^T in Element, the A operand of the dV product.
+    auto p_elements = [&] {
+      if constexpr (kSoftcap) {
+        return p_cap;
+      } else {
+        return convert_fragment<Element>(acc_s);
+      }
+    };
     // dV += P^T dO   (block_n x head_dim), issued while dS^T is computed
     // (with Traits::kTightRegisters after dK's product instead, below).
     if constexpr (Traits::kPdSShared) {
       // This consumer's P^T columns into shared memory; once both are there,
       // the product over all of them for this consumer's head-dim columns.
       Tensor sPt = make_tensor(make_smem_ptr(smem.p.begin()), typename Traits::SmemLayoutdSt{});
-      copy(smem_copy_ds, thr_copy_ds.retile_S(convert_fragment<Element>(acc_s)),
+      copy(smem_copy_ds, thr_copy_ds.retile_S(p_elements()),
            thr_copy_ds.partition_D(sPt)(_, _, _, buffer));
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kPBarrier);
@@ -515,7 +547,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_issue<false>(mma_dkv, tdVsPt(_, _, _, buffer), tdVrdO(_, _, _, stage), acc_dv);
     } else if constexpr (!Traits::kTightRegisters) {
       Tensor tdVrP = make_tensor<Element>(acc_as_a_operand(acc_s.layout()));
-      Tensor p = convert_fragment<Element>(acc_s);
+      Tensor p = p_elements();
       Tensor dst = make_tensor(tdVrP.data(), acc_s.layout());
       CUTE_UNROLL
       for (int i = 0; i < size(p); ++i) dst(i) = p(i);
@@ -530,10 +562,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
     float delta[kCols];
     load_column_stat<Traits::kTightRegisters>(delta, smem.delta[buffer], cS_rc, lane);
-    // P's sign bit is set only where masked (-0; exp2 gives +0 and positive
-    // NaNs): spread into a mask, it clears dS there. Unmasked tiles have no
-    // -0, so the mask is all ones; the two integer operations cost less than a
-    // second copy of the loop for masked tiles (which made ptxas spill).
+    // P's sign bit (that of P (1 - t^2) with softcap) is set only where masked
+    // (-0; exp2 gives +0 and positive NaNs): spread into a mask, it clears dS
+    // there. Unmasked tiles have no -0, so the mask is all ones; the two
+    // integer operations cost less than a second copy of the loop for masked
+    // tiles (which made ptxas spill).
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
@@ -662,7 +695,7 @@ inline bool tma_compatible_bwd(const BwdParams& p) {
          stride_ok(p.dout_head_stride) && stride_ok(p.dout_batch_stride);
 }
 
-template <typename Element, int kHeadDim, typename Mask>
+template <typename Element, int kHeadDim, typename Mask, ScoreKind kScore = ScoreKind::kPlain>
 cudaError_t run_flash_bwd_sm90(const BwdParams& call_params, const LaunchContext& ctx) {
   using Traits = BwdTraitsSm90<Element, kHeadDim, Mask::kKind>;
   using Scheduler = BwdSchedulerSm90<Traits::kBlockM, Traits::kBlockN, Mask>;
@@ -704,7 +737,7 @@ cudaError_t run_flash_bwd_sm90(const BwdParams& call_params, const LaunchContext
                     take<0, 2>(typename Traits::SmemLayoutdQ{}),
                     Shape<Int<Traits::kBlockM>, Int<Traits::kDqCols>>{}),
   };
-  auto kernel = &flash_bwd_sm90_kernel<Traits, Mask>;
+  auto kernel = &flash_bwd_sm90_kernel<Traits, Mask, kScore>;
   constexpr int kSmemBytes = Traits::kSmemBytes;
   if (cudaError_t err =
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);

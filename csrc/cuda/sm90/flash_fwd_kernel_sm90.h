@@ -18,7 +18,8 @@
 //                                  the tile table says so, from registers)
 //       online softmax of S       (registers; exp2 with the scale folded in;
 //                                  where the tile table says stale_max,
-//                                  against the running max first)
+//                                  against the running max first; of
+//                                  tanh(softcap_scale * S) with softcap)
 //       O = O * correction + P V  (wgmma, P from registers, V from shared memory)
 //     and at the end of a tile O / rowsum goes through shared memory to a
 //     TMA store (head dims 64, 128) while the next tile starts.
@@ -59,12 +60,12 @@ namespace jflash::cuda::sm90 {
 
 using namespace cute;
 
-template <typename Traits, typename Mask>
+template <typename Traits, typename Mask, ScoreKind kScore>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ FwdArgsSm90<Traits> args) {
   using Scheduler = TileSchedulerSm90<Traits::kBlockM, Traits::kBlockN, Mask>;
   using Producer = FwdProducerSm90<Traits, Mask>;
-  using Mainloop = FwdMainloopSm90<Traits, Mask>;
+  using Mainloop = FwdMainloopSm90<Traits, Mask, kScore>;
   using Epilogue = FwdEpilogueSm90<Traits>;
   const FwdParams& params = args.params;
   extern __shared__ __align__(1024) char smem_raw[];
@@ -105,7 +106,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   epilogue.finish();
 }
 
-template <typename Traits, typename Mask>
+template <typename Traits, typename Mask, ScoreKind kScore>
 cudaError_t launch_flash_fwd_sm90(const FwdParams& params, const LaunchContext& ctx) {
   using Element = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -144,7 +145,7 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& params, const LaunchContext& 
                                 params.out_batch_stride)),
         take<0, 2>(typename Traits::SmemLayoutO{}), Shape<_64, Int<kHeadDim>>{});
   }
-  auto kernel = &flash_fwd_sm90_kernel<Traits, Mask>;
+  auto kernel = &flash_fwd_sm90_kernel<Traits, Mask, kScore>;
   constexpr int kSmemBytes = Traits::kSmemBytes;
   if (cudaError_t err = cudaFuncSetAttribute(
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
@@ -164,7 +165,8 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& params, const LaunchContext& 
 // always the short-band tile where there is one: the head dim 64 tile of 192
 // rows on three consumers (160 registers each) has no room for the segment
 // masking (it spilled 116-164 bytes), and packed documents are short rows.
-template <typename Element, int kHeadDim, typename Mask, bool kPingPong = true>
+template <typename Element, int kHeadDim, typename Mask, ScoreKind kScore = ScoreKind::kPlain,
+          bool kPingPong = true>
 cudaError_t run_flash_fwd_sm90(const FwdParams& params, const LaunchContext& ctx) {
   using Main = FwdTraitsSm90<Element, kHeadDim, kPingPong>;
   if constexpr (!Mask::kDense && sm90_fwd_tile_short_band(kHeadDim).block_m > 0) {
@@ -172,15 +174,15 @@ cudaError_t run_flash_fwd_sm90(const FwdParams& params, const LaunchContext& ctx
     static_assert(Short::kSmemBytes <= Main::kSmemBytes,
                   "the registry reports the main tile's shared memory");
     if constexpr (Mask::kHasSegments) {
-      return launch_flash_fwd_sm90<Short, Mask>(params, ctx);
+      return launch_flash_fwd_sm90<Short, Mask, kScore>(params, ctx);
     } else {
       if (params.seqlen_q <= kSm90ShortBandMaxLen && params.seqlen_k <= kSm90ShortBandMaxLen) {
-        return launch_flash_fwd_sm90<Short, Mask>(params, ctx);
+        return launch_flash_fwd_sm90<Short, Mask, kScore>(params, ctx);
       }
-      return launch_flash_fwd_sm90<Main, Mask>(params, ctx);
+      return launch_flash_fwd_sm90<Main, Mask, kScore>(params, ctx);
     }
   } else {
-    return launch_flash_fwd_sm90<Main, Mask>(params, ctx);
+    return launch_flash_fwd_sm90<Main, Mask, kScore>(params, ctx);
   }
 }
 

@@ -18,6 +18,7 @@
 #include "cuda/sm90/tile_scheduler_sm90.h"
 #include "cuda/sm90/traits_fwd_sm90.h"
 #include "cuda/sm90/wgmma_utils.h"
+#include "cuda/utils.h"
 
 namespace jflash::cuda::sm90 {
 
@@ -138,8 +139,9 @@ struct FwdProducerSm90 {
 
 // ---------------------------------------------------------------- consumers
 // One consumer warpgroup's 64 query rows of a tile: per key tile S = Q K^T,
-// the online softmax of S, and O = O * correction + P V.
-template <typename Traits, typename Mask>
+// the online softmax of S (of tanh(softcap_scale * S) with softcap: kScore,
+// jflash/score.h), and O = O * correction + P V.
+template <typename Traits, typename Mask, ScoreKind kScore>
 struct FwdMainloopSm90 {
   using Element = typename Traits::Element;
   using SharedStorage = typename Traits::SharedStorage;
@@ -264,7 +266,14 @@ struct FwdMainloopSm90 {
     }
   }
 
+  // Readies a freshly computed S for the softmax: capped (softcap), then
+  // masked; returns whether the mask touched it. Every S (the redo's too)
+  // passes here once.
   __device__ __forceinline__ bool mask_scores(int n_block) {
+    if constexpr (kScore == ScoreKind::kSoftcap) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) acc_s(i) = fast_tanh(acc_s(i) * params.softcap_scale);
+    }
     auto s = s_rc();
     return mask.mask_scores(n_block, s, cS_rc());
   }

@@ -32,6 +32,24 @@ inline constexpr int kNumDecodeHeadDims = sizeof(kDecodeHeadDims) / sizeof(kDeco
 static_assert(kDecodeHeadDims[kNumDecodeHeadDims - 1] == kMaxKernelHeadDim,
               "every head dim pads up to a decode head dim");
 
+// Calls with softcap (ScoreKind::kSoftcap) likewise: their kernels exist for
+// kSoftcapHeadDims only (jflash_softcap_head_dims), and with segment ids too
+// for the head dims of both lists. Python pads up to the next head dim of
+// every list that applies.
+inline constexpr int kSoftcapHeadDims[] = {64, 128, 256};
+inline constexpr int kNumSoftcapHeadDims = sizeof(kSoftcapHeadDims) / sizeof(kSoftcapHeadDims[0]);
+static_assert(kSoftcapHeadDims[kNumSoftcapHeadDims - 1] == kMaxKernelHeadDim,
+              "every head dim pads up to a softcap head dim");
+
+// Whether head_dim is an entry of a head-dim list (host code: the handlers).
+template <int kCount>
+constexpr bool is_listed_head_dim(const int (&list)[kCount], int head_dim) {
+  for (int d : list) {
+    if (d == head_dim) return true;
+  }
+  return false;
+}
+
 // The position of head_dim in kKernelHeadDims, or -1 where it is not an entry
 // (host code: the registry and the handlers).
 constexpr int kernel_head_dim_index(int head_dim) {

@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "jflash/mask.h"
+#include "jflash/score.h"
 
 namespace jflash {
 
@@ -27,6 +28,11 @@ enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
 
 struct FwdParams {
   DType dtype;
+  // Logit soft-capping (jflash/score.h): > 0 caps the scores at +-softcap, 0
+  // leaves them as they are. This field and softcap_scale sit in what were
+  // alignment holes, so that no other field moved: the kernels without softcap
+  // compile to the same code as before them.
+  float softcap;
 
   const void* q;
   const void* k;
@@ -49,10 +55,18 @@ struct FwdParams {
   // Query head h reads kv head h / heads_per_kv.
   int heads_per_kv;
 
-  float softmax_scale;       // applied to q.k before the softmax
-  float softmax_scale_log2;  // softmax_scale * log2(e), for exp2-based kernels
+  float softmax_scale;  // applied to q.k before the softmax
+  // The factor that takes a CUDA kernel's score into the log2 domain of its
+  // exp2-based softmax: softmax_scale * log2(e), or softcap * log2(e) with
+  // softcap (the score is then tanh(softcap_scale * q.k); jflash/score.h).
+  float softmax_scale_log2;
+  // softmax_scale / softcap: the factor on q.k inside the tanh (0 without softcap).
+  float softcap_scale;
 
   MaskParams mask;  // read through a policy (jflash/mask.h)
+
+  // The kernels' dispatch key for the score (beside params.mask.kind()).
+  ScoreKind score_kind() const { return softcap > 0.f ? ScoreKind::kSoftcap : ScoreKind::kPlain; }
 };
 
 // Counters per (batch, head) in dq_semaphore: two per 32 query rows, enough for
