@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 import jflash
 import reference64
-from checks import assert_within_rule, float64_inputs, plain_dtype, qkv_inputs, window_diags
+from checks import (assert_within_rule, float64_inputs, on_gpu, plain_dtype, qkv_inputs,
+                    window_diags)
 from segments import case_id, check_against_reference
 from jflash.reference import attention_band as reference_band
 
@@ -156,6 +157,11 @@ def test_infinite_score_is_capped(rng):
         return (out, lse, *vjp((dout, jnp.zeros(lse.shape))))
 
     got = grads(jflash.flash_attention)
+    # On GPU the kernels take float32 inputs rounded to bfloat16 (README): the
+    # reference gets the same rounded inputs, and the check the output's rounding.
+    tol = 2e-2 if on_gpu() else 1e-4
+    if on_gpu():
+        q, k, v = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (q, k, v))
     want = grads(jflash.reference.attention)
     assert np.all(np.isfinite(np.asarray(got[0]))) and np.all(np.isfinite(np.asarray(got[1])))
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
@@ -164,7 +170,7 @@ def test_infinite_score_is_capped(rng):
         both = np.isfinite(a) & np.isfinite(b)
         if name in ("out", "lse"):
             assert np.all(both), name
-        np.testing.assert_allclose(a[both], b[both], rtol=1e-4, atol=1e-4, err_msg=name)
+        np.testing.assert_allclose(a[both], b[both], rtol=tol, atol=tol, err_msg=name)
 
 
 def test_reference_public_api(rng):
@@ -178,8 +184,9 @@ def test_reference_public_api(rng):
     finite = np.isfinite(truth_lse)
     np.testing.assert_allclose(np.asarray(lse)[finite], truth_lse[finite], atol=1e-5)
     far = jflash.flash_attention(q, k, v, softcap=1e4)
+    # On GPU two different kernels, each rounding its output to bfloat16.
     np.testing.assert_allclose(np.asarray(far), np.asarray(jflash.flash_attention(q, k, v)),
-                               atol=1e-5)
+                               atol=2e-2 if on_gpu() else 1e-5)
 
 
 @pytest.mark.parametrize("softcap,error,message", [
