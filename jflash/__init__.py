@@ -11,9 +11,11 @@ from jflash._src.decode import flash_attention_with_kvcache
 from jflash._src.dot_product_attention import dot_product_attention
 from jflash._src.ffi import HAS_CUDA_KERNELS
 from jflash._src.flash_attention import LSE_NAME, OUT_NAME, flash_attention
+from jflash._src.varlen import flash_attention_varlen
 
 __all__ = [
     "flash_attention",
+    "flash_attention_varlen",
     "flash_attention_with_kvcache",
     "dot_product_attention",
     "reference",

@@ -1,6 +1,6 @@
 """Plain-jnp attention with jflash's exact semantics, in float32:
-attention (flash_attention's) and attention_with_kvcache
-(flash_attention_with_kvcache's).
+attention (flash_attention's), attention_varlen (flash_attention_varlen's) and
+attention_with_kvcache (flash_attention_with_kvcache's).
 
 The documentation of what the kernels compute, and the reference every test
 compares against. It materializes the seq_q x seq_k score matrix: use it for
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jflash._src import decode, masks
+from jflash._src import decode, masks, validation, varlen
 from jflash._src.flash_attention import resolve_arguments
 
 # HIGHEST: on GPU a float32 einsum otherwise runs in TF32, and the reference
@@ -244,3 +244,41 @@ def attention_with_kvcache(query, k_cache, v_cache, *, cache_seqlens, k_new=None
     if k_new is not None:
         results += (k_out, v_out)
     return results[0] if len(results) == 1 else results
+
+
+def _varlen_positions(cu, total):
+    """(sequence index, position within it, whether in a sequence) of each of
+    the packed row's tokens: the first b with cu[b] <= p < cu[b + 1]."""
+    p = jnp.arange(total)
+    inside = (cu[:-1, None] <= p[None, :]) & (p[None, :] < cu[1:, None])  # [num_seqs, total]
+    b = jnp.argmax(inside, axis=0)
+    return b, p - cu[b], jnp.any(inside, axis=0)
+
+
+def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q,
+                     max_seqlen_k, causal=False, softmax_scale=None, return_lse=False,
+                     window_size=None, softcap=None):
+    """Same signature and semantics as jflash.flash_attention_varlen, in plain jnp:
+    one [total_q, total_k] mask of each sequence's bottom-right band."""
+    total_q, total_k, _, cu_q, cu_k = varlen._check_varlen(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    # The 4-D checks of flash_attention (dtypes, heads, head dim) on a batch of 1.
+    softmax_scale, _, _, return_lse, _, softcap = resolve_arguments(
+        query[None], key[None], value[None], causal, softmax_scale, return_lse, window_size,
+        None, None, softcap)
+    window = validation.check_window_size(window_size)
+    bq, i, q_in = _varlen_positions(cu_q, total_q)
+    bk, j, k_in = _varlen_positions(cu_k, total_k)
+    offset = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])  # sk - sq of each sequence
+    j_minus_i = j[None, :] - i[:, None]
+    off = offset[bq][:, None]
+    visible = q_in[:, None] & k_in[None, :] & (bq[:, None] == bk[None, :])
+    if causal:
+        visible &= j_minus_i <= off
+    if window is not None and window[0] >= 0:
+        visible &= j_minus_i >= off - window[0]
+    if window is not None and window[1] >= 0:
+        visible &= j_minus_i <= off + window[1]
+    out, lse = masked_attention(query[None], key[None], value[None], visible[None],
+                                softmax_scale=softmax_scale, softcap=softcap)
+    return (out[0], lse[0]) if return_lse else out[0]
