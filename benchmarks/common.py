@@ -178,11 +178,40 @@ def iterations_for(flops, assumed_flops_per_s, target_s, lo=1, hi=200):
     return max(lo, min(hi, n))
 
 
-def random_qkv(seed, batch, seqlen, num_heads, head_dim, dtype):
-    """q, k, v and a cotangent, standard normal, [batch, seq, heads, head_dim]."""
+# What the inputs hold (--data): a kernel's speed should not depend on it, and
+# standard normal data alone would not show it if it did.
+#   normal  q, k, v (and the cotangent) standard normal: every softmax row is
+#           nearly flat (at head dim 128 its largest probability is about 1/S
+#           to 5/S).
+#   rising  normal, then the keys scaled by linspace(0.5, 4.0, S) along the
+#           sequence: the logits grow along the row, so the row maximum keeps
+#           rising as the key blocks go by and the online softmax rescales its
+#           accumulator again and again (largest probability about 0.2-0.4 of
+#           a row at head dim 128, S 1k-16k).
+#   peaked  normal, then the queries scaled by PEAKED_QUERY_SCALE (8): logits
+#           of standard deviation 8 at the default scale 1/sqrt(head_dim), so
+#           a few keys take nearly all of each row (at head dim 128, S 1k-16k,
+#           the largest probability of a row is 0.7 in the median, 0.13 to
+#           1.0 over rows; 1/S for normal data).
+# All three draw the same normal numbers from a seed; only the scaling differs.
+DATA_MODES = ("normal", "rising", "peaked")
+RISING_KEY_SCALE = (0.5, 4.0)
+PEAKED_QUERY_SCALE = 8.0
+
+
+def random_qkv(seed, batch, seqlen, num_heads, head_dim, dtype, data="normal"):
+    """q, k, v and a cotangent, [batch, seq, heads, head_dim]: standard normal,
+    then scaled as the data mode says (DATA_MODES above), rounded to dtype last."""
+    if data not in DATA_MODES:
+        raise ValueError(f"data must be one of {DATA_MODES}, got {data!r}")
     keys = jax.random.split(jax.random.key(seed), 4)
     shape = (batch, seqlen, num_heads, head_dim)
-    return tuple(jax.random.normal(key, shape, jnp.float32).astype(dtype) for key in keys)
+    q, k, v, cotangent = (jax.random.normal(key, shape, jnp.float32) for key in keys)
+    if data == "rising":
+        k = k * jnp.linspace(*RISING_KEY_SCALE, seqlen, dtype=jnp.float32)[None, :, None, None]
+    elif data == "peaked":
+        q = q * PEAKED_QUERY_SCALE
+    return tuple(x.astype(dtype) for x in (q, k, v, cotangent))
 
 
 def memory_stats(compiled):

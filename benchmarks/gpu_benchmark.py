@@ -16,6 +16,16 @@ row: the backward alone, as the difference of the two times (2.5x fwd FLOPs). --
 FLOPs are those of the query heads, as for MHA). A failing impl or row is recorded and the run goes on.
 --allow-cpu runs the same logic on a CPU (tiny sizes; cuDNN rows 'unavailable').
 
+--data normal rising peaked: what the inputs hold (common.DATA_MODES), one set
+of rows per mode, each row recording its mode: standard normal q, k, v; keys
+scaled by linspace(0.5, 4.0, S) along the sequence (the row maximum keeps
+rising, so the online softmax rescales often); queries scaled by 8 (a sharply
+peaked softmax: at head dim 128 a row's largest probability is 0.7 in the
+median). A kernel's speed should not depend on it:
+
+  python3 -P benchmarks/gpu_benchmark.py --head-dims 64 128 256 --seqs 4096 16384 \
+      --impls jflash,cudnn --data normal rising peaked --out $OUT/data.json
+
 Variants of jflash, run when asked for and put beside jflash in the summary:
 jflash_det (deterministic=True) and jflash_softcap (softcap=--softcap, 50 by
 default: the softcap kernels against the plain ones in the same run, e.g.
@@ -96,11 +106,11 @@ def grid(args):
             yield head_dim, seq, batch, heads
 
 
-def run_one(impl, shape, causal, mode, inputs, args, platform):
+def run_one(impl, shape, causal, mode, inputs, args, platform, data="normal"):
     head_dim, seq, batch, heads = shape
     rec = dict(impl=impl, head_dim=head_dim, seq=seq, batch=batch, heads=heads,
                kv_heads=heads // args.group, causal=causal, mode=mode, dtype=args.dtype,
-               feed=args.feed)
+               data=data, feed=args.feed)
     flops = common.attention_flops(batch, seq, seq, heads, head_dim, causal=causal, mode=mode)
     rec["flops"] = flops
     try:
@@ -146,7 +156,7 @@ def backward_record(fwd, fwdbwd):
     backward loop would time that forward too.
     """
     rec = {k: fwd[k] for k in ("impl", "head_dim", "seq", "batch", "heads", "kv_heads", "causal",
-                               "dtype")}
+                               "dtype", "data") if k in fwd}
     rec.update(mode="bwd", derived="fwdbwd median_s - fwd median_s")
     rec["flops"] = common.attention_flops(fwd["batch"], fwd["seq"], fwd["seq"], fwd["heads"],
                                           fwd["head_dim"], causal=fwd["causal"], mode="bwd")
@@ -161,14 +171,15 @@ def backward_record(fwd, fwdbwd):
 
 
 def summary_table(records):
-    """One line per (head_dim, seq, causal, mode): TFLOP/s of each impl, jflash/cuDNN."""
+    """One line per (head_dim, seq, data, causal, mode): TFLOP/s of each impl,
+    jflash/cuDNN."""
     rows = {}
     for r in records:
-        key = (r["head_dim"], r["seq"], r["causal"], r["mode"])
+        key = (r["head_dim"], r["seq"], r.get("data", "normal"), r["causal"], r["mode"])
         rows.setdefault(key, {"batch": r["batch"], "heads": r["heads"]})[r["impl"]] = r
     table, notes = [], {}  # note text -> rows it applies to
     variants = [v for v in VARIANTS if any(r["impl"] == v[0] for r in records)]
-    for (head_dim, seq, causal, mode), cell in rows.items():
+    for (head_dim, seq, data, causal, mode), cell in rows.items():
         def tf(impl):
             r = cell.get(impl)
             if r is None:
@@ -176,7 +187,7 @@ def summary_table(records):
             if r["status"] != "ok":
                 text = f"{impl} {r['status']}: {r.get('note', '')[:200]}"
                 notes.setdefault(text, []).append(
-                    f"D{head_dim} S{seq} {'causal' if causal else 'full'} {mode}")
+                    f"D{head_dim} S{seq} {data} {'causal' if causal else 'full'} {mode}")
                 return {"error": "ERR", "unavailable": "n/a", "not run": "not run"}.get(r["status"], "?")
             return common.fmt_rate(r["tflops"])
         j, c = cell.get("jflash"), cell.get("cudnn")
@@ -187,7 +198,7 @@ def summary_table(records):
             errors = (cell.get(impl) or {}).get("rel_err")
             return f"{max(errors.values()):.1e}" if errors else None
 
-        row = [head_dim, seq, cell["batch"], cell["heads"], "yes" if causal else "no", mode,
+        row = [head_dim, seq, cell["batch"], cell["heads"], data, "yes" if causal else "no", mode,
                tf("jflash"), tf("cudnn"), tf("xla"), ratio, err("jflash"), err("cudnn")]
         for impl, _, _ in variants:
             d = cell.get(impl)
@@ -196,7 +207,7 @@ def summary_table(records):
                 variant_ratio = f"{d['tflops'] / j['tflops']:.2f}"
             row += [tf(impl), variant_ratio]
         table.append(row)
-    headers = ["D", "seq", "B", "H", "causal", "mode", "jflash", "cudnn", "xla",
+    headers = ["D", "seq", "B", "H", "data", "causal", "mode", "jflash", "cudnn", "xla",
                "jflash/cudnn", "jflash err", "cudnn err"]
     for _, column, ratio_column in variants:
         headers += [column, ratio_column]
@@ -222,6 +233,8 @@ def main(argv=None):
     parser.add_argument("--group", type=int, default=1,
                         help="query heads per key/value head (GQA); 1: MHA")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--data", nargs="+", choices=common.DATA_MODES, default=["normal"],
+                        help="what q, k, v hold (common.DATA_MODES); one set of rows per mode")
     parser.add_argument("--softcap", type=float, default=50.0,
                         help="the softcap of the jflash_softcap rows")
     parser.add_argument("--xla-max-gb", type=float, default=8.0)
@@ -245,6 +258,10 @@ def main(argv=None):
         if not values or set(values) - set(allowed):
             parser.error(f"{name} takes a comma list of {','.join(allowed)}")
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    args.data = list(dict.fromkeys(args.data))
+    if args.feed == "out" and "peaked" in args.data:
+        parser.error("--data peaked needs --feed sliver: --feed out replaces q (where the data "
+                     "is peaked) by each call's result")
     for head_dim, _, _, heads in grid(args):
         if args.group < 1 or heads % args.group:
             parser.error(f"--group {args.group} must divide the {heads} heads of head dim {head_dim}")
@@ -265,12 +282,13 @@ def main(argv=None):
                    flop_convention="fwd 4*B*H*Sq*Sk*D, /2 causal; bwd 2.5x fwd; fwdbwd 3.5x fwd",
                    records=[])
     records = payload["records"]
-    for shape in grid(args):
+    for shape, data in ((shape, data) for shape in grid(args) for data in args.data):
         head_dim, seq, batch, heads = shape
         out_of_time = args.time_budget_s and time.perf_counter() - started > args.time_budget_s
         inputs = None
         if not out_of_time:
-            inputs = common.random_qkv(seq + head_dim, batch, seq, heads, head_dim, args.dtype)
+            inputs = common.random_qkv(seq + head_dim, batch, seq, heads, head_dim, args.dtype,
+                                       data=data)
             if args.group > 1:  # key and value keep their first heads // group heads
                 q, k, v, cotangent = inputs
                 inputs = (q, k[:, :, : heads // args.group], v[:, :, : heads // args.group], cotangent)
@@ -282,17 +300,18 @@ def main(argv=None):
                     if out_of_time or inputs is None:
                         rec = dict(impl=impl, head_dim=head_dim, seq=seq, batch=batch, heads=heads,
                                    kv_heads=heads // args.group, causal=causal, mode=mode,
-                                   dtype=args.dtype,
+                                   dtype=args.dtype, data=data,
                                    status="not run", note="--time-budget-s reached")
                     else:
-                        rec = run_one(impl, shape, causal, mode, inputs, args, platform)
+                        rec = run_one(impl, shape, causal, mode, inputs, args, platform, data)
                     records.append(rec)
                     common.write_json(out, payload)  # after every record: a killed run keeps its rows
                     what = (f"{common.fmt_rate(rec['tflops']):>7s} TFLOP/s  "
                             f"{rec['median_s'] * 1e3:8.3f} ms  x{rec['iterations']}"
                             if rec["status"] == "ok" else f"{rec['status']}: {rec.get('note', '')[:120]}")
                     print(f"[{time.perf_counter() - started:6.1f}s] D{head_dim} S{seq} B{batch} H{heads} "
-                          f"{'causal' if causal else 'full  '} {mode:6s} {impl:6s} {what}", flush=True)
+                          f"{data:7s}{'causal' if causal else 'full  '} {mode:6s} {impl:6s} {what}",
+                          flush=True)
             if "fwd" in modes and "fwdbwd" in modes:
                 for impl in impls:
                     by_mode = {r["mode"]: r for r in records[-len(modes) * len(impls):]

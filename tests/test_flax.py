@@ -352,3 +352,232 @@ def test_nnx_decode_matches_full_call(rng):
     got = jnp.concatenate([layer(x[:, chunk], decode=True) for chunk in _chunks(9, 4)], 1)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
     assert int(layer.cache_index.get_value()) == 9
+
+
+# ------------------------------------------------------------------ packed documents, window
+
+def _packed_ids(rows):
+    """[batch, length] int32 ids from each row's (id, document length) pairs."""
+    return jnp.asarray(np.stack([np.repeat([i for i, _ in row], [n for _, n in row])
+                                 for row in rows]), jnp.int32)
+
+
+# Two rows of 24 tokens: documents of 7, 1, 10 and 6 tokens, and of 12 and 12
+# (ids any integers, not in order).
+PACKING = [[(4, 7), (0, 1), (9, 10), (-3, 6)], [(2, 12), (1, 12)]]
+
+
+def _document_slices():
+    for b, row in enumerate(PACKING):
+        start = 0
+        for _, n in row:
+            yield b, slice(start, start + n)
+            start += n
+
+
+def _assert_packed_equals_separate(value_and_grads, x, dout):
+    """value_and_grads(x, dout, segment_ids) -> (out, (param grads, dx)). The packed
+    call's outputs and input gradients per document are those of the document
+    alone, and its parameter gradients are the sum of the documents'."""
+    out, (grads, dx) = value_and_grads(x, dout, _packed_ids(PACKING))
+    summed = None
+    for b, doc in _document_slices():
+        doc_out, (doc_grads, doc_dx) = value_and_grads(x[b:b + 1, doc], dout[b:b + 1, doc], None)
+        _assert_trees_close(out[b:b + 1, doc], doc_out)
+        _assert_trees_close(dx[b:b + 1, doc], doc_dx)
+        summed = doc_grads if summed is None else jax.tree.map(jnp.add, summed, doc_grads)
+    _assert_trees_close(grads, summed, **({} if jax.default_backend() == "gpu" else
+                                          dict(rtol=1e-4, atol=1e-5)))
+
+
+@pytest.mark.parametrize("window", [None, (3, 0)], ids=["causal", "causal-window"])
+def test_linen_packed_documents_equal_separate_documents(rng, window):
+    x, dout = _inputs(rng)
+    layer = jflash.flax.linen.MultiHeadAttention(num_heads=4, num_kv_heads=2, is_causal=True,
+                                                 local_window_size=window)
+    params = layer.init(jax.random.key(int(rng.integers(1 << 30))), x)["params"]
+
+    def value_and_grads(x, dout, ids):
+        out, grads = _linen_value_and_grads(layer, params, x, dout, segment_ids=ids)
+        return out, grads
+
+    _assert_packed_equals_separate(value_and_grads, x, dout)
+
+
+@pytest.mark.parametrize("window", [None, (3, 0)], ids=["causal", "causal-window"])
+def test_nnx_packed_documents_equal_separate_documents(rng, window):
+    x, dout = _inputs(rng)
+    layer = jflash.flax.nnx.MultiHeadAttention(num_heads=4, in_features=48, num_kv_heads=1,
+                                               is_causal=True, local_window_size=window,
+                                               rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+
+    def value_and_grads(x, dout, ids):
+        return _nnx_value_and_grads(layer, x, dout, segment_ids=ids)
+
+    _assert_packed_equals_separate(value_and_grads, x, dout)
+
+
+def _reference_fn(is_causal=False, window=None, q_segment_ids=None, kv_segment_ids=None):
+    """A Flax attention_fn on jflash.reference (plain jnp) with the ids bound."""
+
+    def attention_fn(query, key, value, bias=None, mask=None, **kwargs):
+        del bias, mask, kwargs
+        return jflash.reference.attention(query, key, value, causal=is_causal,
+                                          window_size=window, q_segment_ids=q_segment_ids,
+                                          kv_segment_ids=kv_segment_ids)
+
+    return attention_fn
+
+
+def test_layers_with_segment_ids_match_the_reference(rng):
+    """Both layers, packed causal self-attention with a window and cross-attention
+    with q and kv ids, against Flax's layer on the plain-jnp reference."""
+    x, dout = _inputs(rng)
+    ids = _packed_ids(PACKING)
+    ours = jflash.flax.linen.MultiHeadAttention(num_heads=4, is_causal=True,
+                                                local_window_size=(5, 0))
+    theirs = nn.MultiHeadDotProductAttention(
+        num_heads=4, attention_fn=_reference_fn(True, (5, 0), ids, ids))
+    params = ours.init(jax.random.key(int(rng.integers(1 << 30))), x)["params"]
+    _assert_trees_close(_linen_value_and_grads(ours, params, x, dout, segment_ids=ids),
+                        _linen_value_and_grads(theirs, params, x, dout))
+
+    # Cross-attention: 24 queries over 16 keys; every query's id is among the keys'.
+    x_kv = jnp.asarray(rng.standard_normal((2, 16, 48)), jnp.float32)
+    kv_ids = jnp.asarray(rng.integers(0, 3, (2, 16)), jnp.int32).at[:, :3].set(jnp.arange(3))
+    q_ids = jnp.asarray(rng.integers(0, 3, (2, 24)), jnp.int32)
+    seed = int(rng.integers(1 << 30))
+    ours = jflash.flax.nnx.MultiHeadAttention(num_heads=4, in_features=48, rngs=nnx.Rngs(seed))
+    theirs = nnx.MultiHeadAttention(num_heads=4, in_features=48, decode=False,
+                                    attention_fn=_reference_fn(False, None, q_ids, kv_ids),
+                                    rngs=nnx.Rngs(seed + 1))
+    _copy_projections(ours, theirs)
+
+    def grads(model, **kw):
+        def loss(model, x, x_kv):
+            return jnp.sum(model(x, x_kv, **kw) * dout)
+
+        return nnx.grad(loss, argnums=(0, 1, 2))(model, x, x_kv)
+
+    got = grads(ours, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    want = grads(theirs)
+    _assert_trees_close(ours(x, x_kv, q_segment_ids=q_ids, kv_segment_ids=kv_ids),
+                        theirs(x, x_kv))
+    _assert_trees_close((nnx.state(got[0], nnx.Param), got[1:]),
+                        (nnx.state(want[0], nnx.Param), want[1:]))
+
+
+def _flax_mask(q_ids, kv_ids, length_q, length_kv, window, is_causal):
+    """The same visibility as Flax's boolean mask [batch, 1, length_q, length_kv]."""
+    mask = nn.make_attention_mask(q_ids, kv_ids, jnp.equal, dtype=jnp.bool_)
+    i, j = np.arange(length_q)[:, None], np.arange(length_kv)[None, :]
+    band = (j >= i - window[0]) & (j <= i + window[1])
+    if is_causal:
+        band &= j <= i
+    return mask & jnp.asarray(band)
+
+
+def test_attention_fn_segment_ids_and_window_run_the_kernels(rng):
+    """attention_fn with ids and a window bound, in Flax's linen and nnx layers:
+    Flax's layer with the same visibility as a mask, and the kernels run it."""
+    x, dout = _inputs(rng)
+    ids = _packed_ids(PACKING)
+    mask = _flax_mask(ids, ids, 24, 24, (4, 2), True)
+    attention_fn = functools.partial(jflash.flax.attention_fn, is_causal=True,
+                                     local_window_size=(4, 2), q_segment_ids=ids,
+                                     kv_segment_ids=ids)
+    ours = nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=attention_fn)
+    theirs = nn.MultiHeadDotProductAttention(num_heads=4)
+    params = theirs.init(jax.random.key(int(rng.integers(1 << 30))), x)["params"]
+    _assert_trees_close(_linen_value_and_grads(ours, params, x, dout),
+                        _linen_value_and_grads(theirs, params, x, dout, mask=mask))
+    lowered = jax.jit(lambda p, x: ours.apply({"params": p}, x)).lower(params, x).as_text()
+    assert "jflash_fwd" in lowered and "diag_lo = -4 : i64" in lowered
+
+    seed = int(rng.integers(1 << 30))
+    kw = dict(num_heads=4, in_features=48, num_kv_heads=2, decode=False)
+    attention_fn = functools.partial(jflash.flax.attention_fn, local_window_size=3,
+                                     q_segment_ids=ids, kv_segment_ids=ids)
+    ours = nnx.MultiHeadAttention(**kw, attention_fn=attention_fn, rngs=nnx.Rngs(seed))
+    theirs = nnx.MultiHeadAttention(**kw, rngs=nnx.Rngs(seed))
+    _copy_projections(ours, theirs)
+    got = _nnx_value_and_grads(ours, x, dout, is_causal=True)
+    want = _nnx_value_and_grads(theirs, x, dout, mask=_flax_mask(ids, ids, 24, 24, (3, 3), True))
+    _assert_trees_close(got, want)
+
+
+@pytest.mark.parametrize("is_causal", [None, True], ids=["linen", "nnx"])
+def test_attention_fn_fallback_keeps_segment_ids_and_window(rng, is_causal):
+    """With a mask (or dropout) Flax's function runs, with the ids and the window
+    folded into its mask: Flax's result exactly; and the kernels' result agrees,
+    also for query rows whose id no key has (the mean of the values in both)."""
+    q = jnp.asarray(rng.standard_normal((2, 9, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 12, 2, 16)), jnp.float32) for _ in range(2))
+    q_ids = jnp.asarray(rng.integers(0, 4, (2, 9)), jnp.int32).at[:, 4].set(3)  # no key has 3
+    kv_ids = jnp.asarray(rng.integers(0, 3, (2, 12)), jnp.int32)
+    window = (6, 1)
+    extra = jnp.asarray(rng.random((2, 1, 9, 12)) < 0.9)
+    fn = functools.partial(jflash.flax.attention_fn, is_causal=is_causal, local_window_size=window,
+                           q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    got = fn(q, k, v, mask=extra)
+    full = _flax_mask(q_ids, kv_ids, 9, 12, window, bool(is_causal)) & extra
+    kv = [jnp.repeat(x, 2, axis=-2) for x in (k, v)]
+    if is_causal is None:
+        want = nn.dot_product_attention(q, *kv, mask=full)
+    else:
+        want = nnx.dot_product_attention(q, *kv, mask=full)
+    np.testing.assert_array_equal(got, want)
+    fast = fn(q, k, v)
+    slow = fn(q, k, v, mask=jnp.ones((9, 12), jnp.bool_))
+    _assert_trees_close(fast, slow)
+
+
+def test_window_reaches_the_kernels(rng):
+    """Both layers' local_window_size is the kernels' band (diag_lo, diag_hi)."""
+    x, _ = _inputs(rng)
+    layer = jflash.flax.linen.MultiHeadAttention(num_heads=4, local_window_size=(5, 2))
+    params = layer.init(jax.random.key(0), x)["params"]
+    lowered = jax.jit(lambda p, x: layer.apply({"params": p}, x)).lower(params, x).as_text()
+    assert "diag_hi = 2 : i64, diag_lo = -5 : i64" in lowered
+    model = jflash.flax.nnx.MultiHeadAttention(num_heads=4, in_features=48, is_causal=True,
+                                               local_window_size=7, rngs=nnx.Rngs(0))
+    graph, state = nnx.split(model)
+    lowered = jax.jit(lambda s, x: nnx.merge(graph, s)(x)).lower(state, x).as_text()
+    assert "diag_hi = 0 : i64, diag_lo = -7 : i64" in lowered
+
+
+def test_segment_id_errors(rng):
+    x, _ = _inputs(rng)
+    ids = _packed_ids(PACKING)
+    linen_layer = jflash.flax.linen.MultiHeadAttention(num_heads=4, is_causal=True)
+    params = linen_layer.init(jax.random.key(0), x)["params"]
+    nnx_layer = jflash.flax.nnx.MultiHeadAttention(num_heads=4, in_features=48, rngs=nnx.Rngs(0))
+    calls = [functools.partial(linen_layer.apply, {"params": params}), nnx_layer]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"q_segment_ids must have shape \[batch\.\.\., "
+                                             r"length_q\] = \(2, 24\).*got shape \(2, 23\)"):
+            call(x, segment_ids=ids[:, 1:])
+        with pytest.raises(ValueError, match=r"kv_segment_ids must have shape.*\(2, 16\)"):
+            call(x, x[:, :16], q_segment_ids=ids, kv_segment_ids=ids)
+        with pytest.raises(ValueError, match="pass both segment ids or neither"):
+            call(x, q_segment_ids=ids)
+        with pytest.raises(ValueError, match="not both"):
+            call(x, segment_ids=ids, kv_segment_ids=ids)
+        with pytest.raises(ValueError, match="segment_ids is for self-attention"):
+            call(x, x, segment_ids=ids)
+        with pytest.raises(TypeError, match="integer"):
+            call(x, segment_ids=ids.astype(jnp.float32))
+    with pytest.raises(ValueError, match="not supported with decode"):
+        linen_layer.clone(decode=True).init(jax.random.key(0), x, segment_ids=ids)
+    nnx_layer.init_cache(x.shape)
+    with pytest.raises(ValueError, match="not supported with decode"):
+        nnx_layer(x[:, :1], decode=True, segment_ids=ids[:, :1])
+    with pytest.raises(ValueError, match="local_window_size must be"):
+        jflash.flax.linen.MultiHeadAttention(num_heads=4, local_window_size=(1, 2, 3)).init(
+            jax.random.key(0), x)
+    q = jnp.ones((2, 24, 4, 8))
+    with pytest.raises(ValueError, match="local_window_size must be"):
+        jflash.flax.attention_fn(q, q, q, local_window_size="wide")
+    with pytest.raises(ValueError, match=r"kv_segment_ids must have shape \[batch\.\.\., "
+                                         r"length_kv\] = \(2, 24\)"):
+        jflash.flax.attention_fn(q, q, q, q_segment_ids=ids, kv_segment_ids=ids[0])

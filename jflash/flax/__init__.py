@@ -5,7 +5,8 @@
                           flax.nnx.MultiHeadAttention(attention_fn=...)
   linen.MultiHeadAttention, nnx.MultiHeadAttention
                           q/k/v projections, jflash attention (causal, local
-                          window, GQA through num_kv_heads), output projection;
+                          window, GQA through num_kv_heads, segment ids of
+                          packed documents per call), output projection;
                           parameters laid out like Flax's layers; a decode mode
                           with a KV cache (flash_attention_with_kvcache).
 

@@ -5,7 +5,9 @@ Flax's layers call attention_fn(query, key, value, **kwargs) with arrays
 flax.linen.dot_product_attention that attention_fn's signature names; nnx passes
 mask, dropout, dtype, precision, module and is_causal. Each keyword is either
 handled by jflash or makes the call fall back to Flax's own function, so the
-result is always Flax's (to rounding), never a silently different one.
+result is always Flax's (to rounding), never a silently different one. jflash's
+own keywords (local_window_size, q_segment_ids, kv_segment_ids; a caller binds
+them with functools.partial) become part of Flax's mask when it falls back.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import math
 import flax.linen as linen
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from jflash._src import validation
 from jflash._src.decode import flash_attention_with_kvcache
-from jflash._src.dot_product_attention import _unsupported, dot_product_attention
+from jflash._src.dot_product_attention import _unsupported, _window, dot_product_attention
 
 
 def _check_batch_dims(query, key, value):
@@ -37,6 +41,76 @@ def _check_batch_dims(query, key, value):
     if len({x.shape[:-3] for x in arrays}) != 1:
         shapes = ", ".join(str(x.shape) for x in arrays)
         raise ValueError(f"query, key and value batch dims must match, got shapes {shapes}")
+
+
+def _window_pair(local_window_size):
+    """(left, right) from None, an int or a pair of ints (jax.nn's convention), or a
+    ValueError."""
+    if local_window_size is None:
+        return None
+    window = _window(local_window_size)
+    if window is None:
+        raise ValueError("local_window_size must be None, an int or a pair of ints (left, right), "
+                         f"got {local_window_size!r}")
+    return window
+
+
+def resolve_segment_ids(segment_ids, q_segment_ids, kv_segment_ids, *, cross_attention):
+    """The layers' segment-id arguments as (q_segment_ids, kv_segment_ids) or
+    (None, None): segment_ids (self-attention) stands for both sides."""
+    if segment_ids is None:
+        return q_segment_ids, kv_segment_ids
+    if q_segment_ids is not None or kv_segment_ids is not None:
+        raise ValueError("pass segment_ids (self-attention) or q_segment_ids and kv_segment_ids, "
+                         "not both")
+    if cross_attention:
+        raise ValueError("segment_ids is for self-attention (inputs_q only); with inputs_k "
+                         "pass q_segment_ids and kv_segment_ids")
+    return segment_ids, segment_ids
+
+
+def _segment_ids(query, key, q_segment_ids, kv_segment_ids):
+    """q_segment_ids [batch..., length_q] and kv_segment_ids [batch..., length_kv]
+    (the batch dims of query [batch..., length_q, heads, head_dim] and key) checked:
+    both or neither (else ValueError), those shapes (ValueError), integer ids that
+    int32 holds (TypeError). Returns them as int32 arrays of those shapes, or None."""
+    given = {"q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids}
+    if all(x is None for x in given.values()):
+        return None
+    for (name, ids), (side, x) in zip(given.items(), (("query", query), ("key", key)),
+                                      strict=True):
+        if ids is None:
+            other = "kv_segment_ids" if name == "q_segment_ids" else "q_segment_ids"
+            raise ValueError(f"{other} is given but {name} is None; pass both segment ids "
+                             "or neither")
+        expected = tuple(x.shape[:-2])
+        if tuple(np.shape(ids)) != expected:
+            length = "length_q" if side == "query" else "length_kv"
+            raise ValueError(
+                f"{name} must have shape [batch..., {length}] = {expected} (the leading dims "
+                f"of {side} {tuple(x.shape)}), got shape {tuple(np.shape(ids))}"
+            )
+    flat = [jnp.reshape(jnp.asarray(ids), (-1, jnp.shape(ids)[-1])) for ids in given.values()]
+    q_ids, kv_ids = validation.check_segment_ids(*flat, flat[0].shape, flat[1].shape)
+    return (jnp.reshape(q_ids, jnp.shape(q_segment_ids)),
+            jnp.reshape(kv_ids, jnp.shape(kv_segment_ids)))
+
+
+def _extension_mask(query, key, mask, window, segment_ids):
+    """Flax's boolean mask with the local window (key j visible from query i iff
+    i - left <= j <= i + right) and the segment ids (equal ids) folded in, for
+    Flax's own function. mask is broadcast against [batch..., heads, length_q,
+    length_kv]; None stays None when there is nothing to add."""
+    if window is not None:
+        rows = jnp.arange(query.shape[-3])[:, None]
+        cols = jnp.arange(key.shape[-3])[None, :]
+        band = (cols >= rows - window[0]) & (cols <= rows + window[1])
+        mask = band if mask is None else jnp.logical_and(mask, band)
+    if segment_ids is not None:
+        q_ids, kv_ids = segment_ids
+        same = (q_ids[..., :, None] == kv_ids[..., None, :])[..., None, :, :]
+        mask = same if mask is None else jnp.logical_and(mask, same)
+    return mask
 
 
 def _fallback(query, key, value, *, bias, mask, is_causal, module, linen_only, **kwargs):
@@ -75,6 +149,9 @@ def attention_fn(
     qk_attn_weights_einsum=None,
     attn_weights_value_einsum=None,
     is_causal=None,
+    local_window_size=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
 ):
     """Drop-in attention_fn for flax.linen and flax.nnx attention layers.
 
@@ -92,6 +169,17 @@ def attention_fn(
     jflash.flax.attention_fn, is_causal=True), and pass no mask. A mask array
     (e.g. nn.make_causal_mask) cannot be read at trace time, so it always falls
     back, correct but not fast.
+
+    jflash keywords (Flax's layers do not pass them: bind them with
+    functools.partial), the same in both paths:
+      local_window_size: None, an int, or (left, right): query i sees keys
+        i - left ... i + right (jax.nn.dot_product_attention's convention), on
+        top of is_causal and mask.
+      q_segment_ids [batch..., length_q], kv_segment_ids [batch..., length_kv]:
+        integer ids, both or neither: query i sees key j only where their ids
+        are equal (packed documents). Where Flax's function runs, the window and
+        the ids become part of its mask. A row that sees no key gets the mean of
+        the values there and on the kernels (jax's and Flax's answer).
     """
     kwargs = dict(
         broadcast_dropout=broadcast_dropout,
@@ -102,6 +190,8 @@ def attention_fn(
         precision=precision,
     )
     _check_batch_dims(query, key, value)
+    window = _window_pair(local_window_size)
+    segment_ids = _segment_ids(query, key, q_segment_ids, kv_segment_ids)
     custom_einsums = qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None
     dropout = dropout_rate > 0.0 and not deterministic
     if (
@@ -125,7 +215,7 @@ def attention_fn(
             key,
             value,
             bias=bias,
-            mask=mask,
+            mask=_extension_mask(query, key, mask, window, segment_ids),
             is_causal=is_causal,
             module=module,
             linen_only=linen_only,
@@ -135,7 +225,8 @@ def attention_fn(
     if dtype is not None:  # as Flax's promote_dtype does
         query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
     return attend(
-        query, key, value, is_causal=bool(is_causal), local_window_size=None, implementation=None
+        query, key, value, is_causal=bool(is_causal), local_window_size=window,
+        implementation=None, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
     )
 
 
@@ -154,10 +245,16 @@ def _kernels_cannot_run(query, key, value, dtype):
     return _unsupported(*_shapes_4d(query, key, value, dtype), None, None, None, None, None, None)
 
 
-def attend(query, key, value, *, is_causal, local_window_size, implementation, softcap=None):
+def attend(query, key, value, *, is_causal, local_window_size, implementation, softcap=None,
+           q_segment_ids=None, kv_segment_ids=None):
     """jflash.dot_product_attention on [batch..., length, heads, head_dim] arrays,
-    q/k/v promoted to their common dtype first as Flax does."""
+    q/k/v promoted to their common dtype first as Flax does; segment ids
+    [batch..., length_q] and [batch..., length_kv], or None."""
     _check_batch_dims(query, key, value)
+    _window_pair(local_window_size)
+    segment_ids = _segment_ids(query, key, q_segment_ids, kv_segment_ids)
+    if segment_ids is not None:
+        segment_ids = [jnp.reshape(x, (-1, x.shape[-1])) for x in segment_ids]
     batch_shape = query.shape[:-3]
     query, key, value = (
         jnp.reshape(jnp.asarray(x, s.dtype), s.shape)
@@ -171,6 +268,8 @@ def attend(query, key, value, *, is_causal, local_window_size, implementation, s
         local_window_size=local_window_size,
         implementation=implementation,
         softcap=softcap,
+        q_segment_ids=None if segment_ids is None else segment_ids[0],
+        kv_segment_ids=None if segment_ids is None else segment_ids[1],
     )
     return jnp.reshape(out, (*batch_shape, *out.shape[1:]))
 

@@ -8,7 +8,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jflash.flax._attention_fn import attend, attend_with_cache
+from jflash.flax._attention_fn import attend, attend_with_cache, resolve_segment_ids
 
 
 class MultiHeadAttention(nn.Module):
@@ -29,6 +29,13 @@ class MultiHeadAttention(nn.Module):
     jflash.flash_attention_with_kvcache, is_causal and the window in the
     tokens' absolute positions (implementation does not apply there). Tokens
     past max_length overwrite the cache's last rows.
+
+    Packed training: __call__(x, segment_ids=ids) with integer ids
+    [batch..., length], one per document packed into the row: a token attends
+    only to tokens of its own document, on top of is_causal and the local
+    window (which stay in the row's positions, so each causal document gets
+    what it would alone). Cross-attention takes q_segment_ids and
+    kv_segment_ids instead. Not with decode steps.
 
     Attributes:
       num_heads: query heads.
@@ -63,9 +70,20 @@ class MultiHeadAttention(nn.Module):
     softcap: float | None = None
 
     @nn.compact
-    def __call__(self, inputs_q, inputs_k=None, inputs_v=None):
+    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, segment_ids=None,
+                 q_segment_ids=None, kv_segment_ids=None):
         """inputs_q [batch..., length_q, features]; inputs_k and inputs_v
-        [batch..., length_kv, features_kv], default inputs_q (self-attention)."""
+        [batch..., length_kv, features_kv], default inputs_q (self-attention).
+
+        segment_ids [batch..., length] (self-attention), or q_segment_ids
+        [batch..., length_q] and kv_segment_ids [batch..., length_kv]: integer
+        document ids; query i sees key j only where their ids are equal."""
+        q_segment_ids, kv_segment_ids = resolve_segment_ids(
+            segment_ids, q_segment_ids, kv_segment_ids, cross_attention=inputs_k is not None
+        )
+        if self.decode and q_segment_ids is not None:
+            raise ValueError("segment ids are not supported with decode=True (a KV cache holds "
+                             "one sequence per batch entry)")
         inputs_k = inputs_q if inputs_k is None else inputs_k
         inputs_v = inputs_k if inputs_v is None else inputs_v
         num_kv_heads = self.num_kv_heads or self.num_heads
@@ -110,6 +128,8 @@ class MultiHeadAttention(nn.Module):
                 local_window_size=self.local_window_size,
                 implementation=self.implementation,
                 softcap=self.softcap,
+                q_segment_ids=q_segment_ids,
+                kv_segment_ids=kv_segment_ids,
             )
         return nn.DenseGeneral(
             features=self.out_features or inputs_q.shape[-1],

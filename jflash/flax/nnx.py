@@ -7,7 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from jflash.flax._attention_fn import attend, attend_with_cache
+from jflash.flax._attention_fn import attend, attend_with_cache, resolve_segment_ids
 
 
 class MultiHeadAttention(nnx.Module):
@@ -25,6 +25,13 @@ class MultiHeadAttention(nnx.Module):
     over the cache with jflash.flash_attention_with_kvcache, is_causal and the
     window in the tokens' absolute positions. Tokens past max_length overwrite
     the cache's last rows.
+
+    Packed training: layer(x, segment_ids=ids) with integer ids [batch...,
+    length], one per document packed into the row: a token attends only to
+    tokens of its own document, on top of is_causal and the local window
+    (which stay in the row's positions, so each causal document gets what it
+    would alone). Cross-attention takes q_segment_ids and kv_segment_ids
+    instead. Not with decode steps.
 
     Args:
       num_heads: query heads.
@@ -115,11 +122,21 @@ class MultiHeadAttention(nnx.Module):
         self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
         self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
 
-    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, decode=None):
+    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, decode=None, segment_ids=None,
+                 q_segment_ids=None, kv_segment_ids=None):
         """inputs_q [batch..., length_q, in_features]; inputs_k and inputs_v
         [batch..., length_kv, in_kv_features], default inputs_q (self-attention).
-        decode (default: the layer's): a decode step over the cache (init_cache)."""
+        decode (default: the layer's): a decode step over the cache (init_cache).
+        segment_ids [batch..., length] (self-attention), or q_segment_ids
+        [batch..., length_q] and kv_segment_ids [batch..., length_kv]: integer
+        document ids; query i sees key j only where their ids are equal."""
         decode = self.decode if decode is None else decode
+        q_segment_ids, kv_segment_ids = resolve_segment_ids(
+            segment_ids, q_segment_ids, kv_segment_ids, cross_attention=inputs_k is not None
+        )
+        if decode and q_segment_ids is not None:
+            raise ValueError("segment ids are not supported with decode=True (a KV cache holds "
+                             "one sequence per batch entry)")
         if decode and (inputs_k is not None or inputs_v is not None):
             raise ValueError("decode=True is for self-attention: pass inputs_q only")
         if decode and self.cached_key is None:
@@ -145,5 +162,7 @@ class MultiHeadAttention(nnx.Module):
                 local_window_size=self.local_window_size,
                 implementation=self.implementation,
                 softcap=self.softcap,
+                q_segment_ids=q_segment_ids,
+                kv_segment_ids=kv_segment_ids,
             )
         return self.out(x)
