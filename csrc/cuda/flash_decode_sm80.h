@@ -110,12 +110,6 @@ __device__ __forceinline__ void cp_async_wait_pending(int pending) {
   }
 }
 
-__device__ __forceinline__ float fast_tanh(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // One CTA's work unit: blockIdx.x is (((batch * num_heads_kv + kv_head) *
 // num_splits + split) * row_blocks + row_block), so that the row blocks of one
 // kv head and split run side by side and find its K/V tiles in L2.
