@@ -21,8 +21,11 @@ reads each layer's cache once per token), not from L2.
 
   python3 -P benchmarks/decode_benchmark.py                         # the whole grid
   python3 -P benchmarks/decode_benchmark.py --batches 8 --caches 8192 --layouts contiguous
+  python3 -P benchmarks/decode_benchmark.py --batches 1 8 --caches 8192 --layouts contiguous \
+      --impls jflash --num-splits auto 1 2 4 8 16 32 33 64  # the split curve, one row each
   python3 -P benchmarks/decode_benchmark.py --allow-cpu --smoke     # tiny sizes, logic only
   python3 -P benchmarks/decode_benchmark.py --plot                  # PNG beside the JSON
+                                                        # (benchmarks/plot.py's decode mode)
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def to_paged(k_cache, v_cache, block_size, key):
     return blocks(k_cache), blocks(v_cache), table
 
 
-def attention_call(impl, layout, args, lengths, table):
+def attention_call(impl, layout, args, lengths, table, num_splits=None):
     """f(q, k_cache, v_cache, k_new, v_new) -> (out, k_cache, v_cache): one decode step."""
     import jax
 
@@ -101,7 +104,7 @@ def attention_call(impl, layout, args, lengths, table):
     seqlens = lengths - 1 if append else lengths
 
     def step(q, k_cache, v_cache, k_new, v_new):
-        kw = dict(cache_seqlens=seqlens, block_table=table, num_splits=args.num_splits)
+        kw = dict(cache_seqlens=seqlens, block_table=table, num_splits=num_splits)
         if append:
             return jflash.flash_attention_with_kvcache(q, k_cache, v_cache, k_new=k_new,
                                                        v_new=v_new, **kw)
@@ -161,7 +164,18 @@ def reference_error(q, k_cache, v_cache, lengths, out):
     return float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
 
 
-def run_row(impl, layout, batch, cache, tensors, args):
+def heuristic_splits(batch, capacity, args):
+    """The split count num_splits=None gives this row on this device."""
+    import jax
+
+    from jflash._src import ffi
+
+    on_cpu = jax.devices()[0].platform == "cpu"
+    return ffi.decode_num_splits(on_cpu, args.dtype, args.head_dim, batch, args.kv_heads,
+                                 args.heads // args.kv_heads, capacity)
+
+
+def run_row(impl, layout, batch, cache, tensors, args, num_splits=None):
     import jax
     import jax.numpy as jnp
 
@@ -174,8 +188,13 @@ def run_row(impl, layout, batch, cache, tensors, args):
     rec = dict(impl=impl, layout=layout, batch=batch, cache=cache, keys=keys,
                heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                copies=len(caches), bytes=kv_bytes + written + q.size * 2)
+    if impl.startswith("jflash"):
+        # num_splits: the forced count, None for the heuristic's; splits: the count run.
+        capacity = caches[0][0].shape[1] if table is None else table.shape[1] * caches[0][0].shape[1]
+        rec["num_splits"] = num_splits
+        rec["splits"] = num_splits or heuristic_splits(batch, capacity, args)
     try:
-        step = attention_call(impl, layout, args, lengths, table)
+        step = attention_call(impl, layout, args, lengths, table, num_splits)
         if not args.no_check and layout == "contiguous":
             out, k_cache, v_cache = jax.jit(step)(q, *caches[0], k_new, v_new)  # after the append
             rec["rel_err"] = reference_error(q, k_cache, v_cache, lengths, out)
@@ -217,8 +236,15 @@ def row_tensors(key, batch, cache, layout, args):
     return q, caches, new[0].astype(args.dtype), new[1].astype(args.dtype), table
 
 
+def default_rows(records):
+    """The rows of the default split heuristic (num_splits None), one per
+    (impl, layout, batch, cache): what the targets, the summary and the plot read."""
+    return [r for r in records if r.get("num_splits") is None]
+
+
 def targets(records, copy_gbs):
     """The issue's targets, checked row by row (contiguous jflash unless stated)."""
+    records = default_rows(records)
     ok = {(r["impl"], r["layout"], r["batch"], r["cache"]): r for r in records
           if r["status"] == "ok"}
     checks = []
@@ -252,6 +278,7 @@ def targets(records, copy_gbs):
 
 
 def summary(records, copy_gbs):
+    records = default_rows(records)
     rows = {}
     for r in records:
         rows.setdefault((r["batch"], r["cache"]), {})[(r["impl"], r["layout"])] = r
@@ -276,31 +303,24 @@ def summary(records, copy_gbs):
     return common.format_table(headers, table)
 
 
-def plot(records, copy_gbs, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    batches = sorted({r["batch"] for r in records})
-    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
-    for ax, batch in zip(axes[0], batches):
-        for impl, layout in (("jflash", "contiguous"), ("jflash", "paged64"),
-                             ("jflash", "paged256"), ("xla", "contiguous"),
-                             ("cudnn", "contiguous")):
-            pts = sorted((r["cache"], r["bandwidth_gbs"]) for r in records
-                         if r["batch"] == batch and r["impl"] == impl and r["layout"] == layout
-                         and r["status"] == "ok")
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"{impl} {layout}")
-        ax.axhline(copy_gbs, color="gray", linestyle="--", label="jnp copy")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"batch {batch}")
-        ax.set_xlabel("cache length (keys)")
-        ax.set_ylabel("GB/s")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def split_sweep(records, copy_gbs):
+    """Fraction of the copy's bandwidth per forced split count (--num-splits), one
+    line per (impl, layout, batch, cache); None where the sweep has one value."""
+    swept = sorted({r["num_splits"] for r in records if r.get("num_splits") is not None})
+    if not swept:
+        return None
+    lines = {}
+    for r in records:
+        if "num_splits" not in r:
+            continue
+        key = (r["impl"], r["layout"], r["batch"], r["cache"])
+        cell = f"{r['bandwidth_gbs'] / copy_gbs:.2f}" if r["status"] == "ok" else r["status"][:5]
+        lines.setdefault(key, {})["auto" if r["num_splits"] is None else r["num_splits"]] = cell
+        if r["num_splits"] is None:
+            lines[key]["heuristic"] = r["splits"]
+    columns = ["heuristic", "auto", *swept]
+    table = [[*key, *(cells.get(c) for c in columns)] for key, cells in sorted(lines.items())]
+    return common.format_table(["impl", "layout", "B", "cache", *map(str, columns)], table)
 
 
 def main(argv=None):
@@ -313,7 +333,9 @@ def main(argv=None):
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--num-splits", type=int, default=None, help="force jflash's split count")
+    parser.add_argument("--num-splits", nargs="+", default=["auto"], metavar="N",
+                        help="jflash's split counts, one row each: 'auto' (the heuristic) or "
+                             "an int in [1, 128] that forces it")
     parser.add_argument("--copy-mb", type=int, default=4096, help="size of the copy's array")
     parser.add_argument("--rotate-mb", type=int, default=256,
                         help="cache copies each timed loop cycles through (0: one copy)")
@@ -333,6 +355,12 @@ def main(argv=None):
         for name, value in SMOKE.items():
             if getattr(args, name) == parser.get_default(name):
                 setattr(args, name, value)
+    try:
+        splits = [None if x == "auto" else int(x) for x in args.num_splits]
+    except ValueError:
+        parser.error(f"--num-splits takes 'auto' or ints, got {args.num_splits}")
+    if any(n is not None and not 1 <= n <= 128 for n in splits) or len(set(splits)) < len(splits):
+        parser.error(f"--num-splits takes distinct values in [1, 128] or 'auto', got {args.num_splits}")
     layouts = [x for x in args.layouts.split(",") if x]
     impls = [x for x in args.impls.split(",") if x]
     if not layouts or set(layouts) - set(LAYOUTS) or not impls or set(impls) - set(IMPLS):
@@ -360,24 +388,29 @@ def main(argv=None):
         for cache in args.caches:
             for layout in layouts:
                 row_impls = [i for i in impls if layout == "contiguous" or i.startswith("jflash")]
+                runs = [(i, n) for i in row_impls
+                        for n in (splits if i.startswith("jflash") else [None])]
                 if args.time_budget_s and time.perf_counter() - started > args.time_budget_s:
                     records += [dict(impl=i, layout=layout, batch=batch, cache=cache,
-                                     status="not run", note="--time-budget-s reached")
-                                for i in row_impls]
+                                     status="not run", note="--time-budget-s reached",
+                                     **({"num_splits": n} if i.startswith("jflash") else {}))
+                                for i, n in runs]
                     continue
                 tensors = row_tensors(jax.random.fold_in(key, batch * 10**7 + cache), batch, cache,
                                       layout, args)
-                for impl in row_impls:
-                    rec = run_row(impl, layout, batch, cache, tensors, args)
+                for impl, num_splits in runs:
+                    rec = run_row(impl, layout, batch, cache, tensors, args, num_splits)
                     if rec["status"] == "ok":
                         rec["fraction_of_copy"] = rec["bandwidth_gbs"] / copy["bandwidth_gbs"]
                     records.append(rec)
                     common.write_json(out, payload)  # a killed run keeps its rows
+                    forced = f" splits {rec['splits']:3d}{'' if num_splits else ' (auto)'}" \
+                        if "splits" in rec else ""
                     what = (f"{rec['bandwidth_gbs']:8.1f} GB/s ({rec['fraction_of_copy']:.2f} of copy)"
                             f"  {rec['median_s'] * 1e6:9.1f} us"
                             if rec["status"] == "ok" else f"{rec['status']}: {rec.get('note', '')[:100]}")
                     print(f"[{time.perf_counter() - started:6.1f}s] B{batch} cache {cache} "
-                          f"{layout:10s} {impl:13s} {what}", flush=True)
+                          f"{layout:10s} {impl:13s}{forced} {what}", flush=True)
                 del tensors
     payload["targets"] = targets(records, copy["bandwidth_gbs"])
     common.write_json(out, payload)
@@ -385,11 +418,17 @@ def main(argv=None):
           f"{args.dtype}, head dim {args.head_dim}, {args.heads} query heads over {args.kv_heads} "
           f"kv heads, 1 query token | copy {copy['bandwidth_gbs']:.0f} GB/s")
     print(summary(records, copy["bandwidth_gbs"]))
+    sweep = split_sweep(records, copy["bandwidth_gbs"])
+    if sweep:
+        print("\nfraction of the copy's bandwidth by split count (heuristic: the count 'auto' ran)")
+        print(sweep)
     for check in payload["targets"]:
         print(f"  {'met ' if check['met'] else 'MISS'} {check['what']}: {check['value']}")
     if args.plot:
         try:
-            plot(records, copy["bandwidth_gbs"], out.with_suffix(".png"))
+            import plot
+
+            plot.plot_decode(payload, out.with_suffix(".png"))
         except ImportError as exc:
             print(f"--plot needs matplotlib ({exc}); the JSON holds every number")
     print(f"results: {out}")

@@ -1,12 +1,17 @@
 """TFLOP/s against sequence length from a gpu_benchmark.py results JSON, as a PNG beside it.
 
   python3 -P benchmarks/plot.py benchmarks/results/gpu_<device>_<date>.json
+  python3 -P benchmarks/plot.py benchmarks/results/gpu_<device>_<date>_decode.json
 
 One panel per (head_dim, causal); in each, one colour per impl (jflash, cuDNN,
 XLA), solid for forward, dotted for the backward alone (where the file has
 "bwd" rows), dashed for forward+backward. Rows that did not run
 (errors, skipped XLA, no GPU) are left out of the lines and listed under the
 figure's title count. A cpu_benchmark.py file gives one panel of GFLOP/s.
+A decode_benchmark.py file gives achieved bandwidth against cache length, one
+panel per batch size: jflash over contiguous and paged caches, XLA and cuDNN,
+and the copy's bandwidth of the same run as a dashed line (rows of the split
+heuristic only; a --num-splits sweep's forced rows are left out).
 matplotlib is a dev-only dependency: `python3 -m pip install matplotlib`.
 """
 
@@ -38,9 +43,75 @@ def _panels(records, rate_key):
     return panels
 
 
+DECODE_SERIES = (  # (impl, layout, colour, line style)
+    ("jflash", "contiguous", "tab:red", "-"),
+    ("jflash_append", "contiguous", "tab:orange", "--"),
+    ("jflash", "paged64", "tab:purple", "-"),
+    ("jflash", "paged256", "tab:pink", ":"),
+    ("cudnn", "contiguous", "tab:blue", "-"),
+    ("xla", "contiguous", "tab:gray", "-"),
+)
+
+
+def _cache_label(n):
+    return f"{n // 1024}k" if n >= 1024 else str(n)
+
+
+def plot_decode(payload, out):
+    """Achieved bandwidth (GB/s, and as a fraction of the copy's on the right
+    axis) against cache length, one panel per batch size."""
+    env = payload.get("environment", {})
+    copy_gbs = payload["copy"]["bandwidth_gbs"]
+    records = [r for r in payload["records"] if r.get("num_splits") is None]
+    ran = [r for r in records if r.get("status") == "ok"]
+    if not ran:
+        raise SystemExit("no decode rows ran")
+    batches = sorted({r["batch"] for r in records})
+    caches = sorted({r["cache"] for r in records})
+    fig, axes = plt.subplots(1, len(batches), squeeze=False, sharey=True,
+                             figsize=(4.6 * len(batches), 3.8))
+    for ax, batch in zip(axes[0], batches):
+        for impl, layout, color, style in DECODE_SERIES:
+            points = sorted((r["cache"], r["bandwidth_gbs"]) for r in ran
+                            if r["batch"] == batch and r["impl"] == impl and r["layout"] == layout)
+            if points:
+                ax.plot(*zip(*points), style, marker="o", markersize=3, color=color,
+                        label=f"{impl} {layout}")
+        ax.axhline(copy_gbs, color="black", linestyle="--", linewidth=0.8,
+                   label=f"jnp copy {copy_gbs:.0f} GB/s")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(caches)
+        ax.set_xticklabels([_cache_label(c) for c in caches])
+        ax.set_ylim(0, copy_gbs * 1.1)
+        ax.grid(alpha=0.3)
+        ax.set_title(f"batch {batch}")
+        ax.set_xlabel("cache length (keys)")
+        right = ax.secondary_yaxis("right", functions=(lambda y: y / copy_gbs,
+                                                       lambda f: f * copy_gbs))
+        right.set_ylabel("of copy" if ax is axes[0][-1] else "")
+    axes[0][0].set_ylabel("achieved GB/s (K, V read + out written)")
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    args = payload.get("args", {})
+    failed = sum(1 for r in records if r.get("status") != "ok")
+    fig.suptitle(
+        f"decode: {env.get('device_kind', '?')}, {args.get('dtype', '')}, head dim "
+        f"{args.get('head_dim', '?')}, {args.get('heads', '?')} query heads over "
+        f"{args.get('kv_heads', '?')} kv heads, 1 token; jax {env.get('jax_version', '?')}, "
+        f"jflash {str(env.get('jflash_commit', '?'))[:10]}, {env.get('date_utc', '')[:10]}"
+        + (f"\n{failed} rows did not run (see JSON)" if failed else ""),
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def plot(path, out=None):
     path = pathlib.Path(path)
     payload = json.loads(path.read_text())
+    if payload.get("benchmark") == "decode":
+        return plot_decode(payload, pathlib.Path(out) if out else path.with_suffix(".png"))
     env = payload.get("environment", {})
     if "records" in payload:
         records, rate_key, unit = payload["records"], "tflops", "TFLOP/s"

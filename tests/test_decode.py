@@ -216,3 +216,28 @@ def test_dtype_errors():
     a["cache_seqlens"] = jax.ShapeDtypeStruct((2,), jnp.float32)
     with pytest.raises(TypeError, match="cache_seqlens must be an integer array"):
         jax.eval_shape(lambda **x: jflash.flash_attention_with_kvcache(**x), **a)
+
+
+def test_cuda_split_model():
+    """The CUDA split heuristic on an H100's slots (132 SMs x 2 CTAs at head dim
+    128), without a GPU: the choices docs/decode.md predicts for the benchmark
+    grid (8 kv heads of 8 query rows each; capacities rounded up past one more
+    key to 256-key blocks)."""
+    from jflash._src.ffi import decode_num_splits_cuda_model as model
+
+    slots = 132 * 2
+    assert model(1 * 8, slots, 8448) == 33  # one wave of 264 CTAs, 4 tiles each
+    assert model(8 * 8, slots, 8448) == 4  # one wave of 256 CTAs, 32 tiles each (was 33)
+    assert model(8 * 8, slots, 2304) == 4
+    assert model(8 * 8, slots, 131328) == 4
+    assert model(1 * 8, slots, 131328) == 33
+    assert model(1 * 8, slots, 2304) == 9  # each split at least 256 keys
+    assert model(32 * 8, slots, 8448) == 1  # the batch fills the GPU
+    assert model(1, slots, 256) == 1
+    # Splits that leave a run's tile count unchanged are never chosen over fewer.
+    for units in (1, 3, 8, 20, 64, 100, 200):
+        for capacity in (512, 1000, 4096, 8448, 65536):
+            splits = model(units, slots, capacity)
+            tiles = -(-capacity // 64)
+            assert 1 <= splits <= 128
+            assert splits == 1 or -(-tiles // splits) < -(-tiles // (splits - 1))

@@ -25,5 +25,7 @@ void flash_decode(const DecodeParams& params);
 // Rows of one decode task (a kv head's query heads times the queries): the
 // num_splits heuristic's unit.
 int decode_row_block();
+// Keys of one decode tile: the unit in which a split's run is cut.
+int decode_key_block();
 
 }  // namespace jflash::cpu

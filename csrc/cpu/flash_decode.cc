@@ -285,4 +285,14 @@ int decode_row_block() {
   }
 }
 
+int decode_key_block() {
+  switch (cpu_tiles()) {
+#if JFLASH_X86
+    case CpuTiles::kAvx512: return Avx512Tiles::kFwdBlockK;
+    case CpuTiles::kAvx2: return Avx2Tiles::kFwdBlockK;
+#endif
+    default: return BaselineTiles::kFwdBlockK;
+  }
+}
+
 }  // namespace jflash::cpu

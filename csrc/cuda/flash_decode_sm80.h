@@ -429,14 +429,25 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 
 // out, lse of each row (sequence, query head, query) from its splits':
 // lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s over the
-// splits with a share (lse_s > -inf). A row that sees keys but has no share
-// in any split had every visible score -inf: NaN, as with one split. One warp
-// per row, head_dim / 32 columns per lane.
+// splits with a share (lse_s > -inf; a split without one wrote zeros). A row
+// that sees keys but has no share in any split had every visible score -inf:
+// NaN, as with one split. One warp per row, head_dim / 32 columns per lane.
+//
+// Latency, not bandwidth, bounds this kernel (a few MB at most): each lane
+// loads the lse of splits lane, lane + 32, ... at once and keeps their
+// weights in registers, and the shares' rows are loads that depend on nothing
+// but the split index, kCombineBatch splits' loads issued before their sums.
+// (A loop that read each lse and then its share waited two L2 round trips per
+// split, ~10 us at 33 splits.)
+inline constexpr int kCombineBatch = 8;
+static_assert(32 % kCombineBatch == 0, "a batch of splits takes its weights from one lane slot");
+
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(128) flash_decode_combine_kernel(
     const __grid_constant__ DecodeParams params) {
   constexpr int kPerLane = kHeadDim / 32;
   static_assert(kPerLane % 2 == 0);
+  constexpr int kSlots = (kMaxDecodeSplits + 31) / 32;  // splits per lane
   const int64_t rows_total = int64_t{params.batch} * params.num_heads * params.seqlen_q;
   const int64_t row = int64_t{blockIdx.x} * 4 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -447,13 +458,18 @@ __global__ void __launch_bounds__(128) flash_decode_combine_kernel(
   const DecodeLengths lens = decode_lengths(params, batch);
   const MaskParams band = decode_band(params, lens.total);
   const IndexRange keys = BandMask(band, batch).row_keys(query, lens.total);
+  const int splits = params.num_splits;
 
   float o[kPerLane] = {};
   float lse = -INFINITY;
   if (keys.begin < keys.end) {
+    float weight[kSlots];  // the lse of split j * 32 + lane, then its weight
     float max = -INFINITY;
-    for (int s = lane; s < params.num_splits; s += 32) {
-      max = fmaxf(max, params.lse_partial[s * rows_total + row]);
+    CUTE_UNROLL
+    for (int j = 0; j < kSlots; ++j) {
+      const int s = j * 32 + lane;
+      weight[j] = s < splits ? params.lse_partial[s * rows_total + row] : -INFINITY;
+      max = fmaxf(max, weight[j]);
     }
     for (int offset = 16; offset > 0; offset /= 2) {
       max = fmaxf(max, __shfl_xor_sync(0xffffffff, max, offset));
@@ -463,22 +479,44 @@ __global__ void __launch_bounds__(128) flash_decode_combine_kernel(
       for (float& x : o) x = NAN;
     } else {
       float sum = 0.f;
-      for (int s = lane; s < params.num_splits; s += 32) {
-        const float lse_s = params.lse_partial[s * rows_total + row];
-        if (lse_s != -INFINITY) sum += expf(lse_s - max);  // a NaN share makes the row NaN
+      CUTE_UNROLL
+      for (int j = 0; j < kSlots; ++j) {
+        if (weight[j] != -INFINITY) sum += expf(weight[j] - max);  // a NaN share makes the row NaN
       }
       for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
       lse = max + logf(sum);
-      for (int s = 0; s < params.num_splits; ++s) {
-        const float lse_s = params.lse_partial[s * rows_total + row];
-        if (lse_s == -INFINITY) continue;
-        const float weight = expf(lse_s - lse);
-        const float* share = params.out_partial + (s * rows_total + row) * kHeadDim + lane * kPerLane;
+      CUTE_UNROLL
+      for (int j = 0; j < kSlots; ++j) {
+        weight[j] = weight[j] == -INFINITY ? 0.f : expf(weight[j] - lse);
+      }
+      // kCombineBatch splits at a time: their shares' loads first, then the sums.
+      const float* shares = params.out_partial + row * kHeadDim + lane * kPerLane;
+      for (int s0 = 0; s0 < splits; s0 += kCombineBatch) {
+        // The weight of split s0 / 32 * 32 + lane, by comparisons rather than an
+        // index (which would put weight[] in local memory).
+        float lane_weight = weight[kSlots - 1];
         CUTE_UNROLL
-        for (int c = 0; c < kPerLane; c += 2) {
-          const float2 x = *reinterpret_cast<const float2*>(share + c);
-          o[c] += weight * x.x;
-          o[c + 1] += weight * x.y;
+        for (int j = kSlots - 2; j >= 0; --j) lane_weight = s0 < (j + 1) * 32 ? weight[j] : lane_weight;
+        float w[kCombineBatch];
+        float2 x[kCombineBatch][kPerLane / 2];
+        CUTE_UNROLL
+        for (int u = 0; u < kCombineBatch; ++u) {
+          const int s = s0 + u;
+          w[u] = __shfl_sync(0xffffffff, lane_weight, s % 32);
+          const float* share = shares + int64_t{s} * rows_total * kHeadDim;
+          CUTE_UNROLL
+          for (int c = 0; c < kPerLane / 2; ++c) {
+            x[u][c] = s < splits ? *reinterpret_cast<const float2*>(share + 2 * c)
+                                 : make_float2(0.f, 0.f);
+          }
+        }
+        CUTE_UNROLL
+        for (int u = 0; u < kCombineBatch; ++u) {
+          CUTE_UNROLL
+          for (int c = 0; c < kPerLane / 2; ++c) {
+            o[2 * c] += w[u] * x[u][c].x;
+            o[2 * c + 1] += w[u] * x[u][c].y;
+          }
         }
       }
     }
@@ -530,7 +568,10 @@ int decode_num_splits_sm80(int64_t batch, int64_t num_heads_kv, int rows, int64_
       per_sm = 1;
     }
     const int64_t units = batch * num_heads_kv * ceil_div(rows, Traits::kBlockM);
-    return decode_num_splits(units, int64_t{ctx.sm_count} * (per_sm > 0 ? per_sm : 1), capacity);
+    const DecodeSplitCost cost{Traits::kBlockN, kCudaDecodeSplitCost.unit_overhead_keys,
+                               kCudaDecodeSplitCost.combine_keys};
+    return decode_num_splits(units, int64_t{ctx.sm_count} * (per_sm > 0 ? per_sm : 1), capacity,
+                             cost);
   });
 }
 

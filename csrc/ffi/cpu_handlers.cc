@@ -97,13 +97,24 @@ ffi::Error DecodeAppendCpu(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuf
 // The decode heuristic's split count on this CPU (jflash/_src/ffi.py), for a
 // call of `batch` sequences, num_heads_kv kv heads, rows (query heads per kv
 // head times queries) and caches of `capacity` keys: the pool's threads are
-// the slots (jflash/decode.h).
+// the slots (jflash/decode.h); a task's fixed cost and the combine's are
+// taken as one key tile each.
 extern "C" __attribute__((visibility("default"))) int jflash_cpu_decode_num_splits(
     int64_t batch, int64_t num_heads_kv, int64_t rows, int64_t capacity) {
   const int64_t row_blocks = (rows + jflash::cpu::decode_row_block() - 1) /
                              jflash::cpu::decode_row_block();
+  const int tile = jflash::cpu::decode_key_block();
   return jflash::decode_num_splits(batch * num_heads_kv * row_blocks,
-                                   jflash::cpu::pool_threads(), capacity);
+                                   jflash::cpu::pool_threads(), capacity, {tile, tile, tile});
+}
+
+// The CUDA kernel's split heuristic for `units` CTAs' work (batch x kv heads
+// x row blocks), `slots` CTAs at once and caches of `capacity` keys, without a
+// GPU (jflash/_src/ffi.py: decode_num_splits_cuda_model): for tests and the
+// design notes' tables (jflash/decode.h, kCudaDecodeSplitCost).
+extern "C" __attribute__((visibility("default"))) int jflash_decode_num_splits_cuda_model(
+    int64_t units, int64_t slots, int64_t capacity) {
+  return jflash::decode_num_splits(units, slots, capacity, jflash::kCudaDecodeSplitCost);
 }
 
 // The library is built with hidden visibility; export the handler symbols

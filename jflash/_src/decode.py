@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jflash._src import ffi as _ffi
-from jflash._src import validation
+from jflash._src import sharding, validation
 
 NO_GRADIENT = (
     "jflash.flash_attention_with_kvcache has no gradient: it is an inference op (the "
@@ -155,6 +155,49 @@ def _splits(config, on_cpu, q, k_cache, block_table, capacity):
     return _ffi.decode_num_splits(on_cpu, q.dtype, head_dim, batch, num_heads_kv, rows, capacity)
 
 
+def _unpack(ops, append, paged):
+    """(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table) of the
+    operand list, None for the absent ones."""
+    q, k_cache, v_cache, seqlens, *rest = ops
+    k_new, v_new = (rest[0], rest[1]) if append else (None, None)
+    return q, k_cache, v_cache, k_new, v_new, seqlens, rest[-1] if paged else None
+
+
+def _decode_branch(*ops, kind, config, capacity, append, paged, gather_appends_over=()):
+    """(out, lse[, k_cache, v_cache]) of one device's call on one platform.
+
+    kind: "cpu", "gpu" (the native kernels) or "gpu_float32" (a bfloat16 copy of
+    the cache, the append done in float32 first). gather_appends_over: the mesh
+    axes over which the batch of a paged call is sharded while its pool is
+    replicated (sharding.py): every device writes every sequence's new rows into
+    its copy of the pool, then attends its own sequences."""
+    q, k_cache, v_cache, k_new, v_new, seqlens, table = _unpack(ops, append, paged)
+    if append and (kind == "gpu_float32" or gather_appends_over):
+        all_rows = (k_new, v_new, seqlens, table)
+        if gather_appends_over:
+            all_rows = [jax.lax.all_gather(x, gather_appends_over, tiled=True) for x in all_rows]
+        k_cache, v_cache = append_rows(k_cache, v_cache, *all_rows, capacity)
+        lengths = jnp.clip(seqlens, 0, capacity - k_new.shape[1]) + k_new.shape[1]
+        out, lse = _decode_branch(q, k_cache, v_cache, lengths, *([table] if paged else []),
+                                  kind=kind, config=config, capacity=capacity, append=False,
+                                  paged=paged)
+        return out, lse, k_cache, v_cache
+    if kind == "gpu_float32":
+        c = _GPU_COMPUTE_DTYPE
+        splits = _splits(config, False, q.astype(c), k_cache, table, capacity)
+        out, lse, _, _ = _ffi_decode(q.astype(c), k_cache.astype(c), v_cache.astype(c), None,
+                                     None, seqlens, table, config, splits)
+        return out.astype(q.dtype), lse
+    splits = _splits(config, kind == "cpu", q, k_cache, table, capacity)
+    results = _ffi_decode(q, k_cache, v_cache, k_new, v_new, seqlens, table, config, splits)
+    return tuple(x for x in results if x is not None)
+
+
+# Under jax.jit with sharded operands, each device runs the kernel on its own
+# batch / kv-heads shard (sharding.py has the rule and what it gathers).
+_decode_partitioned = sharding.partitioned_decode(_decode_branch)
+
+
 def _decode_call(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, *, config,
                  capacity):
     """(out, lse, k_cache, v_cache) on whichever platform the program lowers for."""
@@ -163,37 +206,13 @@ def _decode_call(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, 
     operands = [q, k_cache, v_cache, cache_seqlens]
     operands += [k_new, v_new] if append else []
     operands += [block_table] if paged else []
+    static = dict(config=config, capacity=capacity, append=append, paged=paged)
 
-    def unpack(ops):
-        q, k_cache, v_cache, seqlens, *rest = ops
-        k_new, v_new = (rest[0], rest[1]) if append else (None, None)
-        return q, k_cache, v_cache, k_new, v_new, seqlens, rest[-1] if paged else None
+    def on(kind):
+        return lambda *ops: tuple(_decode_partitioned(*ops, kind=kind, **static))
 
-    def native(*ops, on_cpu):
-        q, k_cache, v_cache, k_new, v_new, seqlens, table = unpack(ops)
-        splits = _splits(config, on_cpu, q, k_cache, table, capacity)
-        return _ffi_decode(q, k_cache, v_cache, k_new, v_new, seqlens, table, config, splits)
-
-    def gpu_float32(*ops):
-        q, k_cache, v_cache, k_new, v_new, seqlens, table = unpack(ops)
-        lengths = seqlens
-        if append:
-            k_cache, v_cache = append_rows(k_cache, v_cache, k_new, v_new, seqlens, table,
-                                              capacity)
-            lengths = jnp.clip(seqlens, 0, capacity - k_new.shape[1]) + k_new.shape[1]
-        c = _GPU_COMPUTE_DTYPE
-        splits = _splits(config, False, q.astype(c), k_cache, table, capacity)
-        out, lse, _, _ = _ffi_decode(q.astype(c), k_cache.astype(c), v_cache.astype(c), None,
-                                     None, lengths, table, config, splits)
-        return out.astype(q.dtype), lse, *((k_cache, v_cache) if append else (None, None))
-
-    def strip(results):  # platform_dependent branches return arrays only
-        return tuple(x for x in results if x is not None)
-
-    on_cpu = lambda *ops: strip(native(*ops, on_cpu=True))  # noqa: E731
-    on_gpu = (lambda *ops: strip(native(*ops, on_cpu=False))) if q.dtype != jnp.float32 else (
-        lambda *ops: strip(gpu_float32(*ops)))
-    results = jax.lax.platform_dependent(*operands, cpu=on_cpu, default=on_gpu)
+    gpu = "gpu_float32" if q.dtype == jnp.float32 else "gpu"
+    results = jax.lax.platform_dependent(*operands, cpu=on("cpu"), default=on(gpu))
     return (*results, None, None) if not append else tuple(results)
 
 
@@ -270,6 +289,9 @@ def flash_attention_with_kvcache(query, k_cache, v_cache, *, cache_seqlens, k_ne
     64, 128 and 256 are zero-padded up to the next of these, which copies the
     cache on every call. On GPU, float32 inputs attend at bfloat16 precision over
     a bfloat16 copy of the cache. Under jax.vmap the kernel runs once per slice.
+    Under jax.jit with sharded operands the call partitions over the batch and
+    the kv heads (docs/decode.md, "Sharding"); a paged pool is replicated under
+    batch sharding, and an append then all-gathers only the new rows.
     """
     args = resolve_kvcache_arguments(query, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                      block_table, causal, window_size, softcap, softmax_scale,

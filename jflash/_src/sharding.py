@@ -341,3 +341,144 @@ def partitioned_bwd(call, band_call):
     """call(q, k, v, out, dout, lse, dlse, [q_ids, kv_ids,] **static) -> (dq, dk, dv),
     by the backward rule."""
     return _partitioned(call, _bwd_rule, _bwd_shardings, _bwd_result_specs, band_call)
+
+
+# ------------------------------------------------------------------ decode
+#
+# flash_attention_with_kvcache (decode.py): one call over operands
+#   q [b sq (hk g) d], k_cache, v_cache, cache_seqlens [b],
+#   k_new, v_new [b sn hk d] (with an append), block_table [b nb] (paged)
+#   -> out [b sq (hk g) d], lse [b (hk g) sq], k_cache, v_cache (with an append)
+# where a contiguous cache is [b c hk d] and a paged one a pool [n bs hk d]
+# that has no batch axis. Batch and kv heads (query heads with their group)
+# stay sharded; the head dim, the cache's length and the pool's blocks are
+# replicated (a cache sharded along them is gathered).
+#
+# A paged pool is shared by every sequence, so under batch sharding it is
+# replicated and each device reads its own sequences' blocks from its copy.
+# Without an append nothing moves. With one, every copy of the pool must take
+# every sequence's new rows, or the copies would differ: the small operands of
+# the append (k_new, v_new, cache_seqlens, block_table) are all-gathered over
+# the batch axes, each device writes all the new rows into its copy (a scatter,
+# in place when the pool is donated), then attends its own sequences over the
+# updated pool (decode.py, gather_appends_over). Sharding the pool's kv heads
+# instead (tensor parallelism) partitions the pool, and the append stays in
+# the kernel.
+
+
+def _decode_operand_names(append, paged):
+    names = ["q", "cache", "cache", "seqlens"]
+    names += ["new", "new"] if append else []
+    names += ["table"] if paged else []
+    return names
+
+
+def _decode_rule(static, mesh, value_types, result_types):
+    del mesh, result_types
+    static = dict(static)
+    append, paged = static["append"], static["paged"]
+    h, sizes = _heads_factor(value_types[0].shape[-2], value_types[1].shape[-2])
+    cache = "n bs hk d" if paged else "b c hk d"
+    spelled = {"q": f"b sq {h} d", "cache": cache, "seqlens": "b", "new": "b sn hk d",
+               "table": "b nb", "row": f"b {h} sq"}
+    results = ["q", "row"] + (["cache", "cache"] if append else [])
+    rule = (", ".join(spelled[x] for x in _decode_operand_names(append, paged)) + " -> "
+            + ", ".join(spelled[x] for x in results))
+    return rule, dict(sizes, need_replication_factors=_in_rule_order(rule, ("d",)))
+
+
+def _decode_shardings(mesh, arg_shapes, static):
+    """(result shardings, operand shardings, the batch axes over which a paged
+    pool's appends are gathered) of the per-device decode call."""
+    append, paged = static["append"], static["paged"]
+    names = _decode_operand_names(append, paged)
+    results = 2 + 2 * append
+    q, k = arg_shapes[0], arg_shapes[1]
+    q_spec = _spec(q.sharding, 4, mesh)
+    k_spec = _spec(k.sharding, 4, mesh)
+    if q_spec is None and mesh.empty:
+        from jax._src.sharding_impls import GSPMDSharding
+
+        replicated = GSPMDSharding.get_replicated(q.sharding._device_assignment)  # noqa: SLF001
+        return (replicated,) * results, (replicated,) * len(names), ()
+    q_spec = q_spec or (None,) * 4
+    batch, heads = q_spec[0], q_spec[2]
+    heads_kv = None if k_spec is None else k_spec[2]
+    # MQA: query heads may split while the one kv head stays replicated (every
+    # device appends the same rows to its copy of the cache).
+    mqa_split = k.shape[2] == 1 and heads_kv is None and heads is not None
+    if heads != heads_kv and not mqa_split:
+        heads = heads_kv = None
+
+    def named(*dims):
+        return NamedSharding(mesh, PartitionSpec(*dims))
+
+    cache = named(None, None, heads_kv, None) if paged else named(batch, None, heads_kv, None)
+    by_name = {"q": named(batch, None, heads, None), "cache": cache, "seqlens": named(batch),
+               "new": named(batch, None, heads_kv, None), "table": named(batch, None)}
+    operands = tuple(by_name[x] for x in names)
+    result_shardings = (by_name["q"], named(batch, heads, None)) + (cache, cache) * append
+    gather = _axes(batch) if paged and append else ()
+    return result_shardings, operands, gather
+
+
+def _decode_result_specs(static):
+    append = dict(static)["append"]
+
+    def specs(operand_specs):
+        q, cache = operand_specs[0], operand_specs[1]
+        return (q, (q[0], q[2], q[1])) + (cache, cache) * append
+
+    return specs
+
+
+def partitioned_decode(call):
+    """call(*operands, append, paged, gather_appends_over=(), **static) -> (out,
+    lse[, k_cache, v_cache]): the decode FFI call (decode.py), partitioned by
+    the decode rule. operands: q, k_cache, v_cache, cache_seqlens[, k_new,
+    v_new][, block_table]. gather_appends_over: the mesh axes over which the
+    per-device lowering must all-gather a paged pool's appends (above).
+
+    Under jax.vmap the call runs once per slice (a paged pool has no batch
+    axis to fold a vmapped axis into)."""
+
+    @functools.partial(custom_partitioning, static_argnums=(0,))
+    def partitioned(static, *arrays):
+        return call(*arrays, **dict(static))
+
+    def partition(static, mesh, arg_shapes, result_shape):
+        del result_shape
+        static = dict(static)
+        result_shardings, arg_shardings, gather = _decode_shardings(mesh, arg_shapes, static)
+        lower = _without_mesh_context(
+            functools.partial(call, **static, gather_appends_over=gather))
+        return mesh, lower, result_shardings, arg_shardings
+
+    partitioned.def_partition(partition=partition, sharding_rule=_decode_rule,
+                              decode_shardings=False)
+
+    def decode_call(*arrays, **static):
+        static = tuple(sorted(static.items()))
+
+        @jax.custom_batching.custom_vmap
+        def batched(*arrays):
+            return partitioned(static, *arrays)
+
+        @batched.def_vmap
+        def vmap_rule(axis_size, in_batched, *arrays):
+            del axis_size
+            mapped = [i for i, b in enumerate(in_batched) if b]
+
+            def one(slices):
+                full = list(arrays)
+                for i, x in zip(mapped, slices, strict=True):
+                    full[i] = x
+                return batched(*full)
+
+            out = jax.lax.map(one, [arrays[i] for i in mapped])
+            return out, jax.tree.map(lambda _: True, out)
+
+        results = _with_auto_axes(batched, arrays, _decode_result_specs(static))
+        return _restore_varying_axes(arrays, results)
+
+    return decode_call

@@ -82,25 +82,49 @@ JFLASH_HOST_DEVICE TileSpan split_tiles(int first, int end, int split, int num_s
   return {begin < last ? begin : last, last};
 }
 
+// What a split costs besides its keys, in keys' worth of one slot's
+// streaming time (docs/decode.md, "Split-KV"): every CTA (task) pays a fixed
+// start and drain (launch, the first tile's latency, the epilogue), and more
+// than one split pays the combine (a second launch and a pass over the
+// partial results). tile_keys: the kernel's key tile, the unit in which a
+// split's run is cut.
+struct DecodeSplitCost {
+  int tile_keys;
+  int unit_overhead_keys;
+  int combine_keys;
+};
+
+// The CUDA kernel's (flash_decode_sm80.h), fitted to the H100 measurements of
+// docs/decode.md: a slot streams a 64-key tile in ~3 us when the GPU reads at
+// full bandwidth, and a CTA's fixed cost is ~100 keys (~4.7 us: a wave's
+// ramp and drain).
+inline constexpr DecodeSplitCost kCudaDecodeSplitCost{64, 100, 64};
+
 // num_splits for `units` work units (batch x kv heads x row blocks) of which
 // `slots` run at once (SMs x CTAs per SM, or CPU threads), over caches of
 // `capacity` keys: 1 where the units fill most of a wave; otherwise the split
-// count whose units * splits fill the waves they take best (ties: fewer
-// splits, less to combine), each split at least kMinDecodeSplitKeys keys.
-// The capacity, not each sequence's length (device data), bounds the splits:
-// the kernels cut each sequence's own key range into num_splits.
-inline int decode_num_splits(int64_t units, int64_t slots, int64_t capacity) {
+// count of least predicted time, waves x (a split's keys + a unit's fixed
+// cost) + the combine's (ties: fewer splits), each split at least
+// kMinDecodeSplitKeys keys. A split's keys are whole tiles, so splits that
+// leave a run's tile count unchanged cost waves and buy nothing. The capacity,
+// not each sequence's length (device data), bounds the splits: the kernels
+// cut each sequence's own key range into num_splits.
+inline int decode_num_splits(int64_t units, int64_t slots, int64_t capacity,
+                             const DecodeSplitCost& cost) {
   if (units <= 0 || slots <= 0 || units * 5 >= slots * 4) return 1;
   int64_t most = (capacity + kMinDecodeSplitKeys - 1) / kMinDecodeSplitKeys;
   most = most < 1 ? 1 : (most > kMaxDecodeSplits ? kMaxDecodeSplits : most);
+  const int64_t tile = cost.tile_keys > 0 ? cost.tile_keys : 1;
+  const int64_t tiles = (capacity + tile - 1) / tile;
   int best_splits = 1;
-  double best = 0.0;
+  int64_t best = -1;
   for (int64_t splits = 1; splits <= most; ++splits) {
-    const int64_t ctas = units * splits;
-    const int64_t waves = (ctas + slots - 1) / slots;
-    const double efficiency = static_cast<double>(ctas) / static_cast<double>(waves * slots);
-    if (efficiency > best * 1.01) {
-      best = efficiency;
+    const int64_t waves = (units * splits + slots - 1) / slots;
+    const int64_t keys = (tiles + splits - 1) / splits * tile;
+    const int64_t time = waves * (keys + cost.unit_overhead_keys) +
+                         (splits > 1 ? cost.combine_keys : 0);
+    if (best < 0 || time < best) {
+      best = time;
       best_splits = static_cast<int>(splits);
     }
   }
