@@ -118,37 +118,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// 2^x on the FMA pipe, without MUFU: the softcap forward's second MUFU per
-// score (fast_tanh) makes the exp unit its limit, and a share of its
-// exponentials computed here moves load to the FMA pipe (the Hopper forward's
-// exp_stale; docs/cuda_kernels.md, Softcap). 2^x = 2^j * 2^f with j = rint(x)
-// and f = x - j in [-1/2, 1/2] (both exact), 2^f by a degree-5 polynomial with
-// p(0) = 1 fitted for the least maximum relative error (6.8e-8 in exact
-// arithmetic; 2.2e-7 in float32, measured over every float32 x in [-127,
-// 127]), and j added to p's exponent field by an integer add. Inputs: x <=
-// 127 (above, the result is garbage: callers bound x); x < -127, -inf
-// included, counts as -127, which gives exactly +0 (MUFU.EX2 with ftz gives 0
-// below 2^-126, this gives values below 2^-126 too, never above). A NaN x
-// reaches the integer add as the canonical NaN that the FP32 units produce,
-// which turns it into FLT_MAX, not NaN: callers must catch it (exp_stale's
-// sum test sends such a tile to the MUFU path). 10 instructions (FMNMX, 3
-// FADD, 5 FFMA, IMAD) against MUFU.EX2's one issue slot and 8 cycles of the
-// SM sub-partition's exp unit.
-__device__ __forceinline__ float poly_exp2(float x) {
-  asm("max.NaN.f32 %0, %0, 0fC2FE0000;" : "+f"(x));  // max(x, -127), NaN kept
-  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: x + kRound rounds x to an integer
-  const float t = __fadd_rn(x, kRound);
-  const float f = __fsub_rn(x, __fsub_rn(t, kRound));
-  float p = fmaf(1.3202982e-3f, f, 9.6749524e-3f);
-  p = fmaf(p, f, 5.5510473e-2f);
-  p = fmaf(p, f, 2.4022166e-1f);
-  p = fmaf(p, f, 6.9314659e-1f);
-  p = fmaf(p, f, 1.f);
-  // t's low mantissa bits hold j (two's complement), so t << 23 is j << 23
-  // modulo 2^32.
-  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
-
 // tanh(x) with the single MUFU instruction (relative error about 2^-11;
 // tanh(+-inf) = +-1, NaN stays NaN): the softcap kernels' cap (jflash/score.h),
 // one more MUFU per score beside exp2's. The float32 products feed it, and its

@@ -167,8 +167,7 @@ struct FwdMainloopSm90 {
   using SRowColLayout = decltype(acc_rowcol(typename AccS::layout_type{}));
   static constexpr int kRows = decltype(size<0>(SRowColLayout{}))::value;  // query rows this thread holds (2)
   static constexpr int kCols = decltype(size<1>(SRowColLayout{}))::value;  // columns per row and thread
-  using Softmax =
-      SoftmaxSm90<kRows, kCols, kScore == ScoreKind::kSoftcap ? Traits::kSoftcapPolyOf16 : 0>;
+  using Softmax = SoftmaxSm90<kRows, kCols>;
   using ScoreMask = ScoreMaskSm90<kBlockN, kRows, kCols, Mask>;
 
   // Ping-pong: consumer c may issue products once barrier (Barriers::kTurn +
@@ -408,7 +407,7 @@ struct FwdMainloopSm90 {
         // overwrote it); as wgmma is warpgroup-wide, so is that product, and
         // K_i (and Q) stay in shared memory until it is settled.
         const bool needs_mask = mask_scores(n_block);
-        const bool stale = softmax.can_exp_stale();
+        const bool stale = softmax.has_finite_max();
         float tile_sum[kRows];
         auto s = s_rc();
         const bool over = stale && !softmax.exp_stale(s, needs_mask, tile_sum);

@@ -15,14 +15,9 @@ using namespace cute;
 // kRows x kCols: the scores a thread holds per key tile, as a (rows, cols)
 // view s_rc of its wgmma accumulator (a quad of lanes holds one row).
 // Scores live in the log2 domain: exp(scale * s) = exp2(scale_log2 * s).
-// kPolyOf16: of every 16 columns of a row, how many of exp_stale's
-// exponentials poly_exp2 computes on the FMA pipe instead of MUFU.EX2; only
-// for softcap scores (t = tanh(...) in [-1, 1], -inf where masked, or NaN),
-// whose tanh is a second MUFU per score (docs/cuda_kernels.md, Softcap).
-template <int kRows, int kCols, int kPolyOf16 = 0>
+template <int kRows, int kCols>
 struct SoftmaxSm90 {
   static_assert(kCols % 4 == 0);
-  static_assert(kPolyOf16 >= 0 && kPolyOf16 <= 16);
   static constexpr int kRescaleSlack = 8;                    // log2 units
   static constexpr float kRescaleBound = 1 << kRescaleSlack;  // 2^kRescaleSlack
 
@@ -124,14 +119,7 @@ struct SoftmaxSm90 {
   // each row in tile_sum, and returns whether all of them are at most
   // kRescaleBound (false for NaN), which implies that bound for every term;
   // where that fails, the caller computes the tile again with fold_max. Needs a
-  // finite running max in every row (can_exp_stale).
-  //
-  // With kPolyOf16, poly_exp2 takes columns spread evenly over the row. Its
-  // inputs stay within its range: x = t * scale - row_max <= 125 for t <= 1
-  // (can_exp_stale), and below -127 it returns +0, as MUFU does; a NaN score
-  // gives FLT_MAX there, which fails the sum test, and fold_max (MUFU only)
-  // then computes the tile again and gives NaN as before.
-  static constexpr bool poly_col(int c) { return (c + 1) * kPolyOf16 / 16 != c * kPolyOf16 / 16; }
+  // finite running max in every row (has_finite_max).
   template <typename ScoresRowCol>
   __device__ __forceinline__ bool exp_stale(ScoresRowCol& s_rc, bool needs_mask,
                                             float (&tile_sum)[kRows]) const {
@@ -140,8 +128,7 @@ struct SoftmaxSm90 {
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) {
-        const float x = fmaf(s_rc(r, c), s_scale, -row_max[r]);
-        s_rc(r, c) = poly_col(c) ? poly_exp2(x) : fast_exp2(x);
+        s_rc(r, c) = fast_exp2(fmaf(s_rc(r, c), s_scale, -row_max[r]));
       }
     }
     bool within = true;
@@ -154,23 +141,12 @@ struct SoftmaxSm90 {
   }
 
   // Whether every row of the warp has a finite running max (exp_stale's
-  // precondition). With kPolyOf16, a max of at least scale * (1 + 2^-10) -
-  // 125 instead: then no capped score t <= 1 (tanh.approx's error is 2^-11)
-  // takes poly_exp2's input above 125. A row that has seen a key has a max of
-  // at least -scale, which passes for scale <= 62.4 (softcap <= 43); a cap of
-  // 50 needs a row max above -36.6 (natural units). A warp with a row that
-  // fails runs fold_max (MUFU only), as for rows with no key yet.
-  __device__ __forceinline__ bool can_exp_stale() const {
-    bool ok = true;
-    if constexpr (kPolyOf16 == 0) {
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) ok &= row_max[r] != -INFINITY;
-    } else {
-      const float lowest = fmaf(scale_log2, 1.f + 0x1p-10f, -125.f);
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) ok &= row_max[r] >= lowest;
-    }
-    return __all_sync(0xffffffff, ok);
+  // precondition).
+  __device__ __forceinline__ bool has_finite_max() const {
+    bool finite_max = true;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) finite_max &= row_max[r] != -INFINITY;
+    return __all_sync(0xffffffff, finite_max);
   }
 
   // Takes exp_stale's tile as it is: the max stays, O needs no correction,

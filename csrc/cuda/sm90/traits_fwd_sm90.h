@@ -48,10 +48,6 @@ struct FwdTraitsSm90 {
   // its copy.
   static constexpr bool kQInRegisters = kTile.q_in_registers;
   static constexpr bool kStaleMax = kTile.stale_max;
-  // Softcap kernels: of every 16 exponentials of exp_stale (kStaleMax), how
-  // many poly_exp2 computes on the FMA pipe (SoftmaxSm90; docs/cuda_kernels.md,
-  // Softcap).
-  static constexpr int kSoftcapPolyOf16 = 8;
   using MmaQKShape = Shape<_64, Int<kBlockN>, Int<kHeadDim>>;
   using TiledMmaQK = decltype(make_tiled_mma(
       std::conditional_t<kQInRegisters,
