@@ -362,6 +362,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // The per-element test, built before the loop: its barriers and fences
   // would make the compiler reload the bounds per step.
   const auto visible = mask.template element_test<int>();
+  // Where a band's per-element mask is applied. In the exponent loop (P = -0
+  // where hidden, which the dS^T loop then finds by its sign), dP^T's product
+  // is in flight and S^T, dP^T, dK and dV hold 208 of the 240 registers; with
+  // Traits::kTightRegisters (80 query rows) the mask's coordinates did not fit
+  // beside them there (ptxas: a 48-byte spill). kLateMask: after the dS^T
+  // loop instead, where no product is in flight and lse and delta are dead,
+  // P^T and dS^T are set to 0 where hidden (no spill). Either way a hidden
+  // score's P and dS are exact zeros whatever the score was (inf, NaN).
+  constexpr bool kLateMask = Traits::kTightRegisters && !Mask::kDense && !Mask::kHasSegments;
   const int lane = tidx % 32;
   const bool warp_leader = lane == 0;
   // Named barrier (CUTLASS numbering, past its reserved ones): both
@@ -469,10 +478,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // P^T = exp2(S^T * scale_log2 - lse_log2); keys outside the band or past
     // the last key get P = 0, by a select that a NaN lse or score cannot turn
-    // into NaN. The last key here is the last one that some row sees
-    // (key_limit): a band may let rows past seqlen_q (zeros, lse = +inf) see
-    // keys that no row sees, and their scores are NaN where k is. Masked P is
-    // -0, which exp2 never gives: the dS^T loop below finds them by it.
+    // into NaN (with kLateMask after the dS^T loop, below). The last key here
+    // is the last one that some row sees (key_limit): a band may let rows past
+    // seqlen_q (zeros, lse = +inf) see keys that no row sees, and their scores
+    // are NaN where k is. Masked P is -0, which exp2 never gives: the dS^T
+    // loop below finds them by it.
     warpgroup_wait<1>();
     warpgroup_fence_operand(acc_s);
     Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
@@ -492,7 +502,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // where masked, as P).
     constexpr bool kSoftcap = kScore == ScoreKind::kSoftcap;
     // The register-tight order converts acc_s to P^T after dS^T: it holds P^T
-    // itself only without softcap (softcap calls run the band or segment masks).
+    // itself only without softcap (softcap calls run the band or segment masks,
+    // whose tiles sm90_bwd_tile keeps at 64 rows for softcap).
     static_assert(!(kSoftcap && Traits::kTightRegisters));
     Tensor p_cap = make_tensor<Element>(acc_s.layout());
     Tensor p_cap_rc = make_tensor(p_cap.data(), acc_rowcol(acc_s.layout()));
@@ -504,7 +515,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const float score = kSoftcap ? fast_tanh(s_rc(r, c) * params.softcap_scale) : s_rc(r, c);
         float p = fast_exp2(fmaf(score, params.softmax_scale_log2, -lse_log2[c]));
         float ds_factor = kSoftcap ? p * (1.f - score * score) : p;
-        if (needs_mask) {
+        if (!kLateMask && needs_mask) {
           const int key = key0 + get<0>(cS_rc(r, c));
           const int row = row0 + get<1>(cS_rc(r, c));
           const bool hidden = Mask::kHasSegments
@@ -575,6 +586,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             ~static_cast<uint32_t>(static_cast<int32_t>(__float_as_uint(s_rc(r, c))) >> 31);
         dp_rc(r, c) =
             __uint_as_float(__float_as_uint(s_rc(r, c) * (dp_rc(r, c) - delta[c])) & keep);
+      }
+    }
+    // kLateMask: the band's mask, on P^T (the dV product's operand, converted
+    // below) and dS^T alike.
+    if constexpr (kLateMask) {
+      if (needs_mask) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          CUTE_UNROLL
+          for (int c = 0; c < kCols; ++c) {
+            const int key = key0 + get<0>(cS_rc(r, c));
+            const int row = row0 + get<1>(cS_rc(r, c));
+            if (key >= key_limit || !visible(row, key)) s_rc(r, c) = dp_rc(r, c) = 0.f;
+          }
+        }
       }
     }
     Tensor ds = convert_fragment<Element>(acc_dp);
@@ -697,7 +723,7 @@ inline bool tma_compatible_bwd(const BwdParams& p) {
 
 template <typename Element, int kHeadDim, typename Mask, ScoreKind kScore = ScoreKind::kPlain>
 cudaError_t run_flash_bwd_sm90(const BwdParams& call_params, const LaunchContext& ctx) {
-  using Traits = BwdTraitsSm90<Element, kHeadDim, Mask::kKind>;
+  using Traits = BwdTraitsSm90<Element, kHeadDim, Mask::kKind, kScore>;
   using Scheduler = BwdSchedulerSm90<Traits::kBlockM, Traits::kBlockN, Mask>;
   BwdParams params = call_params;
   params.head_splits = Scheduler::head_splits(params, ctx.sm_count, ctx.bwd_head_splits);
