@@ -87,7 +87,7 @@ CASES = [
     # two ping-pong consumers (sm90_fwd_tile_short_band); longer ones above.
     (4, 1000, 1000, 16, 4, 64, -1000, 0),  # causal, many units
     (2, 700, 1024, 8, 8, 64, -300, 1024 - 700 + 20),  # window; a last block of 60 rows
-    # Hopper backward tiles (128 keys per CTA, 64 query rows per step, a
+    # Hopper backward tiles (128 keys per CTA, 64 or 80 query rows per step, a
     # 2-deep Q/dO ring): many steps per CTA over a GQA group of 4, the band's
     # first and last query blocks cut, a last key block of one key.
     (2, 1000, 1025, 8, 2, 128, -1000, 1025 - 1000),
@@ -98,6 +98,13 @@ CASES = [
     # 80 (not a multiple of 64), MQA, a last key block of one key.
     (1, 161, 300, 4, 2, 128, None, None),
     (2, 240, 257, 4, 1, 128, None, None),
+    # Bands at head dim 128 step 80 rows too (the mask applied after dS^T):
+    # top-left causal over 5 blocks of 80, the first block each key block
+    # visits starting 0, 48, 16 and 64 rows above its diagonal (the last key
+    # block of 16 keys); bottom-right causal, MQA, seq_q < seq_k, 3 blocks of
+    # 80 and a last key block of 48 keys.
+    (2, 400, 400, 4, 2, 128, -400, 0),
+    (1, 240, 560, 4, 1, 128, -240, 560 - 240),
     # Head dim 256: 64 keys per CTA shared by both consumers (P^T and dS^T
     # through shared memory), one Q/dO buffer and one dQ staging buffer.
     (2, 1000, 1025, 8, 2, 256, -1000, 1025 - 1000),
@@ -587,6 +594,7 @@ DETERMINISTIC_CASES = [
     (1, 1001, 777, 8, 2, 128, None, None),  # 80-row steps: a last block of 41 rows
     (1, 1000, 1000, 8, 1, 64, -300, 20),  # window, MQA
     (1, 777, 1025, 16, 4, 128, -700, 30),  # window; a last key block of one key
+    (1, 1040, 1040, 8, 2, 128, -1040, 0),  # causal: 13 blocks of 80 rows
     (1, 1024, 1536, 4, 2, 256, None, None),
     (1, 900, 900, 4, 4, 256, -900, 0),  # causal
 ]

@@ -117,7 +117,7 @@ DIRECTIONS = {
         "register_sm90_bwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
         "    BwdKernel{{&sm90::run_flash_bwd_sm90<{element}, {head_dim}, {mask_policy}{score}>,\n"
         "              sm90::BwdTraitsSm90<{element}, {head_dim},\n"
-        "                                  MaskKind::{mask_kind}>::kSmemBytes,\n"
+        "                                  MaskKind::{mask_kind}{score}>::kSmemBytes,\n"
         "              &sm90::tma_compatible_bwd}}{score})",
         (64, 128, 256),
     ),

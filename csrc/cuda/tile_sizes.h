@@ -20,6 +20,7 @@
 
 #include "jflash/head_dims.h"
 #include "jflash/mask.h"
+#include "jflash/score.h"
 
 namespace jflash::cuda {
 
@@ -267,24 +268,29 @@ struct Sm90BwdTile {
 // with p_ds_shared) + dq_buffers * block_m * head_dim * 4 bytes (the float32
 // dQ tile on its way to L2).
 //
-// Keyed by mask kind as well (each instantiation reads the entry of its own
-// kind): under a band the blocks the diagonal cuts are computed whole, so
-// larger query blocks waste more there.
-constexpr Sm90BwdTile sm90_bwd_tile(int head_dim, MaskKind mask) {
+// Keyed by mask and score kind as well (each instantiation reads the entry of
+// its own kinds): under a band the blocks the diagonal cuts are computed
+// whole, so larger query blocks waste more there, and the masks and softcap
+// need registers of their own.
+constexpr Sm90BwdTile sm90_bwd_tile(int head_dim, MaskKind mask,
+                                    ScoreKind score = ScoreKind::kPlain) {
   switch (head_dim) {
     // 224 KB. block_m 128 against 64: forward+backward +13-16% unmasked, +9%
     // causal (H100, seq 4k and 16k), for a 20-byte spill.
     case 64: return {128, 128, 2};
-    // Unmasked: 80 query rows per step do 25% more tensor work than 64 for
-    // about the same fixed costs per step (predicted, not yet measured:
-    // docs/hopper_backward.md, "Pending: 80 query rows"). wgmma's M is 64,
+    // Unmasked and band calls: 80 query rows per step do 25% more tensor
+    // work than 64 for about the same fixed costs per step (unmasked
+    // forward+backward +7.6% at seq 4k, +10.7% at 16k, H100; bands predicted
+    // +4% to +9%: docs/hopper_backward.md, "80 query rows"). wgmma's M is 64,
     // so dQ is computed transposed; one dQ staging buffer per consumer is
-    // what fits: K, V 64 KB, Q, dO 80 KB, dS 40 KB, dQ 40 KB = 224 KB. Bands
-    // and segment ids keep 64 rows (224 KB; FlashAttention-3 keeps 64 for
-    // causal calls too).
+    // what fits: K, V 64 KB, Q, dO 80 KB, dS 40 KB, dQ 40 KB = 224 KB.
+    // Segment ids and softcap keep 64 rows (224 KB): their per-key state or
+    // softcap's own P^T operand has no room beside the 80-row step's
+    // registers.
     case 128:
-      return mask == MaskKind::kNone ? Sm90BwdTile{80, 128, 2, false, 1, true}
-                                     : Sm90BwdTile{64, 128, 2};
+      return mask != MaskKind::kSegments && score == ScoreKind::kPlain
+                 ? Sm90BwdTile{80, 128, 2, false, 1, true}
+                 : Sm90BwdTile{64, 128, 2};
     // 225 KB: one Q/dO stage and one dQ buffer are what fit beside 64 keys'
     // K and V and the P^T and dS buffers.
     case 256: return {64, 64, 1, true, 1};

@@ -6,7 +6,7 @@ namespace {
 [[maybe_unused]] const bool kRegistered_bwd_sm90_fp16_hdim64_segments_softcap = register_sm90_bwd_kernel(DType::kFloat16, 64, MaskKind::kSegments,
     BwdKernel{&sm90::run_flash_bwd_sm90<cutlass::half_t, 64, SegmentMask, ScoreKind::kSoftcap>,
               sm90::BwdTraitsSm90<cutlass::half_t, 64,
-                                  MaskKind::kSegments>::kSmemBytes,
+                                  MaskKind::kSegments, ScoreKind::kSoftcap>::kSmemBytes,
               &sm90::tma_compatible_bwd}, ScoreKind::kSoftcap);
 }  // namespace
 }  // namespace jflash::cuda

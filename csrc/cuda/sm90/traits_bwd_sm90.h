@@ -1,7 +1,7 @@
 // The Hopper backward's compile-time shapes: tile, wgmma atoms, shared-memory
 // layouts (and their transposed views), TMA types and shared storage, all
 // derived from one entry of the tile table (tile_sizes.h: sm90_bwd_tile, per
-// head dim and mask kind), and the kernel's arguments.
+// head dim, mask kind and score kind), and the kernel's arguments.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +19,7 @@
 #include "cuda/tile_sizes.h"
 #include "jflash/mask.h"
 #include "jflash/params.h"
+#include "jflash/score.h"
 
 namespace jflash::cuda::sm90 {
 
@@ -43,11 +44,12 @@ constexpr auto ss_op() {
   }
 }
 
-template <typename Element_, int kHeadDim_, MaskKind kMaskKind>
+template <typename Element_, int kHeadDim_, MaskKind kMaskKind,
+          ScoreKind kScoreKind = ScoreKind::kPlain>
 struct BwdTraitsSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr Sm90BwdTile kTile = sm90_bwd_tile(kHeadDim, kMaskKind);
+  static constexpr Sm90BwdTile kTile = sm90_bwd_tile(kHeadDim, kMaskKind, kScoreKind);
   static_assert(kTile.block_m > 0, "no sm90 backward tile for this head dim");
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;

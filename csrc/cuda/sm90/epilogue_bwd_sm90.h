@@ -1,0 +1,152 @@
+// The Hopper backward's outputs: dQ every step (a consumer stages its slice
+// in shared memory, its writer thread adds it into dq_accum with a TMA
+// reduce-add) and dK, dV once per CTA.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+
+#include "cuda/flash_bwd_preprocess.h"
+#include "cuda/sm90/pipeline_sm90.h"
+#include "cuda/sm90/traits_bwd_sm90.h"
+#include "jflash/params.h"
+
+namespace jflash::cuda::sm90 {
+
+using namespace cute;
+
+// Orders this thread's generic-proxy accesses of global memory against its
+// async-proxy (TMA) ones, both ways.
+__device__ __forceinline__ void fence_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// Waits until this thread's bulk async groups but the newest `kPending` have
+// completed, their writes included (CuTe's tma_store_wait waits for their
+// shared-memory reads only).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_complete() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+// The dQ writer of consumer warpgroup `consumer` (one thread of producer warp
+// 1 + consumer). Each step, once the consumer has staged its slice of the dQ
+// tile in shared memory (dq_full), one TMA reduce-add of it into dq_accum;
+// the buffer is the consumer's again (dq_empty) once the TMA has read it. In
+// deterministic mode it first waits for the earlier key blocks' additions to
+// the slice and, once its own has landed, counts itself in: global-memory
+// latencies that the consumers never wait for (they stage into the other
+// buffer meanwhile).
+template <typename Traits, typename Steps>
+__device__ __forceinline__ void write_dq(const BwdArgsSm90<Traits>& args,
+                                         typename Traits::SharedStorage& smem, const Steps& steps,
+                                         int consumer, int n_block, int batch) {
+  const BwdParams& params = args.params;
+  Tensor sdQ = make_tensor(make_smem_ptr(smem.dq.begin()), typename Traits::SmemLayoutdQ{});
+  Tensor mdQ = args.tma_dq.get_tma_tensor(Traits::shape_q(params));
+  for (int step = 0; step < steps.num_steps; ++step) {
+    int head, m_block;
+    steps.unit(step, head, m_block);
+    const RingSlot<Traits::kDqBuffers> slot(step);
+    EmptyBarrier::wait(&smem.dq_full[consumer][slot.stage], slot.phase);
+    int* semaphore = nullptr;
+    if (steps.ordered()) {
+      semaphore =
+          dq_semaphore_at(params, batch, head, m_block, consumer, Traits::kConsumerWarpgroups);
+      dq_semaphore_wait(semaphore, n_block - steps.first_key_block(params, m_block, batch));
+      fence_async_global();  // the acquire, before this reduce-add
+    }
+    Tensor gdQ = local_tile(mdQ(_, _, head, batch),
+                            Shape<Int<Traits::kBlockM>, Int<Traits::kDqCols>>{},
+                            make_coord(m_block, consumer));
+    auto [tdQgdQ, tdQsdQ] =
+        tma_partition(args.tma_dq, Int<0>{}, Layout<_1>{},
+                      group_modes<0, 2>(sdQ(_, _, consumer, slot.stage)), group_modes<0, 2>(gdQ));
+    copy(args.tma_dq, tdQsdQ, tdQgdQ);
+    tma_store_arrive();
+    tma_store_wait<0>();  // read out of shared memory
+    EmptyBarrier::arrive(&smem.dq_empty[consumer][slot.stage]);
+    if (steps.ordered()) {
+      bulk_wait_complete<0>();  // added into dq_accum
+      fence_async_global();
+      dq_semaphore_signal(semaphore);
+    }
+  }
+}
+
+// dQ_accum += dS K (scaled in the convert kernel): registers -> this
+// consumer's staging buffer -> its writer's TMA reduce-add (write_dq),
+// which clips rows past seqlen_q. The buffer is free again once the
+// reduce of kDqBuffers steps ago has read it. 8-byte shared stores:
+// CuTe's element copy compiles to generic stores here (the swizzled
+// address hides the state space).
+// tdQsdQ: the staging buffers as acc_dq's partition sees them (MMA, MMA_M,
+// MMA_N, buffer); step: the consumer's step, whose buffer it takes.
+template <typename Traits, typename AccDq, typename StagingDq>
+__device__ __forceinline__ void stage_dq(typename Traits::SharedStorage& smem, const AccDq& acc_dq,
+                                         const StagingDq& tdQsdQ, int consumer, int step,
+                                         bool warp_leader) {
+  const RingSlot<Traits::kDqBuffers> dq_slot(step);
+  EmptyBarrier::wait(&smem.dq_empty[consumer][dq_slot.stage], dq_slot.phase ^ 1);
+  if constexpr (Traits::kDqTransposed) {
+    // Transposed into the [rows, head_dim] buffer: a thread's two adjacent
+    // accumulator columns are two query rows, so one float per store
+    // (traits: SmemLayoutdQt). Its values come in blocks of 8 query rows
+    // (columns), each (2 columns, 2 rows), and the buffer's swizzle repeats
+    // every 8 rows: the addresses of the first block plus an immediate per
+    // block. (Each address computed alone, the compiler hoisted all 40 out
+    // of the loop, 40 registers.)
+    // The swizzle acts on byte addresses (bits [num_base, num_base +
+    // num_bits) ^= the num_bits bits num_shft above them).
+    using DqSwizzle = decltype(get_swizzle_portion(typename Traits::SmemLayoutdQ{}));
+    constexpr auto dq_plain = get_nonswizzle_portion(typename Traits::SmemLayoutdQ{});
+    constexpr int kBlockBytes = (dq_plain(8, 0, 0, 0) - dq_plain(0, 0, 0, 0)) * sizeof(float);
+    static_assert(kBlockBytes % (1 << (DqSwizzle::num_bits + DqSwizzle::num_base +
+                                       DqSwizzle::num_shft)) ==
+                  0);
+    static_assert(decltype(size<0, 0>(acc_dq))::value == 2 &&
+                  decltype(size<0, 1>(acc_dq))::value == 2);
+    uint32_t dq_addr[4];
+    CUTE_UNROLL
+    for (int r = 0; r < 4; ++r) {
+      dq_addr[r] = cast_smem_ptr_to_uint(&tdQsdQ(_, _, _, dq_slot.stage)(r));
+    }
+    for_each(make_int_sequence<decltype(size(acc_dq))::value>{}, [&](auto i) {
+      asm volatile("st.shared.f32 [%0+%2], %1;" ::"r"(dq_addr[i % 4]), "f"(acc_dq(i)),
+                   "n"(decltype(i)::value / 4 * kBlockBytes)
+                   : "memory");
+    });
+  } else {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); i += 2) {
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(
+                       cast_smem_ptr_to_uint(&tdQsdQ(_, _, _, dq_slot.stage)(i))),
+                   "f"(acc_dq(i)), "f"(acc_dq(i + 1))
+                   : "memory");
+    }
+  }
+  tma_store_fence();  // this thread's generic-proxy writes, visible to TMA
+  __syncwarp();
+  if (warp_leader) EmptyBarrier::arrive(&smem.dq_full[consumer][dq_slot.stage]);
+}
+
+// dK and dV of the key block from key0, written once, or added to the other
+// shares' (params.head_splits > 1: in float32, converted after the kernel).
+template <typename Traits, typename AccDK, typename AccDV, typename ThrMmadKV>
+__device__ __forceinline__ void write_dk_dv(AccDK& acc_dk, AccDV& acc_dv, const ThrMmadKV& thr_dkv,
+                                            int key0, int batch, int kv_head,
+                                            const BwdParams& params) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const auto dkv_coords =
+      thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  if (params.head_splits > 1) {
+    add_dk_dv(acc_dk, acc_dv, dkv_coords, key0, batch, kv_head, params);
+  } else {
+    store_dk_dv<Element>(acc_dk, acc_dv, dkv_coords, key0, batch, kv_head, params);
+  }
+}
+
+}  // namespace jflash::cuda::sm90

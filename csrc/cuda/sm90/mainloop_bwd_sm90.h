@@ -1,0 +1,428 @@
+// The Hopper backward's main loop (flash_bwd_kernel_sm90.h): the producer's
+// loads and the consumers' steps, each step the five products of one query
+// block against the CTA's keys, P^T and dS^T between them (the kernel's
+// header comment lists them; docs/hopper_backward.md the measurements behind
+// the choices here).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
+
+#include "cuda/flash_bwd_preprocess.h"
+#include "cuda/sm90/column_stat_sm90.h"
+#include "cuda/sm90/epilogue_bwd_sm90.h"
+#include "cuda/sm90/mask_bwd_sm90.h"
+#include "cuda/sm90/pipeline_sm90.h"
+#include "cuda/sm90/traits_bwd_sm90.h"
+#include "cuda/sm90/wgmma_utils.h"
+#include "cuda/utils.h"
+#include "jflash/params.h"
+#include "jflash/score.h"
+
+namespace jflash::cuda::sm90 {
+
+using namespace cute;
+
+// tiles (both roles): the shared-memory tensors sQ, sdO (stages), sK, sV, as
+// the kernel built them.
+//
+// The producer's loads (one thread of warp 0): the key block's K and V once,
+// then each step's Q and dO tiles into the ring of q_stages buffers, a buffer
+// refilled once every consumer warp has released it (qdo_empty).
+template <typename Traits, typename Steps, typename SmemTensors>
+__device__ __forceinline__ void load_kv_qdo(const BwdArgsSm90<Traits>& args,
+                                            typename Traits::SharedStorage& smem,
+                                            const SmemTensors& tiles, const Steps& steps,
+                                            int n_block, int kv_head, int batch) {
+  const auto& [sQ, sdO, sK, sV] = tiles;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  const BwdParams& params = args.params;
+
+  Tensor mQ = args.tma_q.get_tma_tensor(Traits::shape_q(params));
+  Tensor mdO = args.tma_dout.get_tma_tensor(Traits::shape_q(params));
+  Tensor mK = args.tma_k.get_tma_tensor(Traits::shape_k(params));
+  Tensor mV = args.tma_v.get_tma_tensor(Traits::shape_k(params));
+  auto kv_tile = [&](auto& m) {
+    return local_tile(m(_, _, kv_head, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                      make_coord(n_block, 0));
+  };
+  auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                    group_modes<0, 2>(kv_tile(mK)));
+  auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                    group_modes<0, 2>(kv_tile(mV)));
+  FullBarrier::arrive_and_expect_tx(&smem.kv_full, 2 * Traits::kKBytes);
+  copy(args.tma_k.with(smem.kv_full), tKgK, tKsK);
+  copy(args.tma_v.with(smem.kv_full), tVgV, tVsV);
+
+  for (int step = 0; step < steps.num_steps; ++step) {
+    int head, m_block;
+    steps.unit(step, head, m_block);
+    auto q_tile = [&](auto& m) {
+      return local_tile(m(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                        make_coord(m_block, 0));
+    };
+    auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{},
+                                      group_modes<0, 2>(sQ), group_modes<0, 2>(q_tile(mQ)));
+    auto [tdOgdO, tdOsdO] = tma_partition(args.tma_dout, Int<0>{}, Layout<_1>{},
+                                          group_modes<0, 2>(sdO), group_modes<0, 2>(q_tile(mdO)));
+    const RingSlot<kStages> slot(step);
+    producer_acquire(&smem.qdo_empty[slot.stage], &smem.qdo_full[slot.stage], slot.phase,
+                     2 * Traits::kQBytes);
+    copy(args.tma_q.with(smem.qdo_full[slot.stage]), tQgQ, tQsQ(_, slot.stage));
+    copy(args.tma_dout.with(smem.qdo_full[slot.stage]), tdOgdO, tdOsdO(_, slot.stage));
+  }
+}
+
+// The consumers (warpgroups 1 ..): every step of the CTA (the kernel's
+// header comment gives the products and who computes which part), then the
+// key block's dK and dV.
+template <typename Traits, typename Mask, ScoreKind kScore, typename Steps, typename SmemTensors>
+__device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
+                                        typename Traits::SharedStorage& smem,
+                                        const SmemTensors& tiles, const Steps& steps, int n_block,
+                                        int kv_head, int batch) {
+  const auto& [sQ, sdO, sK, sV] = tiles;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  const BwdParams& params = args.params;
+  const int tidx = threadIdx.x - 128;  // 0 .. kConsumerThreads - 1
+
+  Tensor sQt = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQt{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutKt{});
+  Tensor sdS = make_tensor(make_smem_ptr(smem.ds.begin()), typename Traits::SmemLayoutdS{});
+  Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.begin()), typename Traits::SmemLayoutdSt{});
+
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmadKV mma_dkv;
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
+  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
+  auto thr_dq = mma_dq.get_thread_slice(tidx);
+  // Shared-memory descriptors of the operands; the ones with a last mode of
+  // stages (Q, dO) or buffers (dS) are indexed by it.
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);      // (MMA, MMA_M, MMA_K)
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);      // (MMA, MMA_N, MMA_K, stage)
+  Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
+  Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+  // dQ = dS K: dS is A, K^T B; dQ^T = K^T dS^T: the other way round.
+  // (MMA, MMA_M or MMA_N, MMA_K, buffer) and (MMA, MMA_N or MMA_M, MMA_K)
+  Tensor tdQrdS = [&] {
+    if constexpr (Traits::kDqTransposed) return thr_dq.partition_fragment_B(sdS);
+    else return thr_dq.partition_fragment_A(sdS);
+  }();
+  Tensor tdQrK = [&] {
+    if constexpr (Traits::kDqTransposed) return thr_dq.partition_fragment_A(sKt);
+    else return thr_dq.partition_fragment_B(sKt);
+  }();
+
+  typename Traits::SmemCopydS smem_copy_ds;
+  auto thr_copy_ds = smem_copy_ds.get_thread_slice(tidx);
+  Tensor tdSsdS = thr_copy_ds.partition_D(sdSt);  // (CPY, CPY_M, CPY_N, buffer)
+
+  // This consumer's dQ staging buffers, and its slice of the (block_m x
+  // head_dim) dQ tile as the dQ product's accumulator partition sees it.
+  const int consumer = tidx / 128;
+  // (MMA, MMA_M, MMA_N, buffer), as acc_dq
+  Tensor tdQsdQ = [&] {
+    if constexpr (Traits::kDqTransposed) {
+      return thr_dq.partition_C(
+          make_tensor(make_smem_ptr(smem.dq.begin()), typename Traits::SmemLayoutdQt{}));
+    } else {
+      Tensor sdQ = make_tensor(make_smem_ptr(smem.dq.begin()), typename Traits::SmemLayoutdQ{});
+      return thr_dq.partition_C(group_modes<1, 3>(sdQ));
+    }
+  }();
+
+  // dK and dV of this consumer's 64 keys, summed over every step.
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  // (key, query row) of each S^T accumulator element, as (rows, cols).
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+  Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+  constexpr int kRows = decltype(size<0>(cS_rc))::value;  // keys this thread holds (2)
+  constexpr int kCols = decltype(size<1>(cS_rc))::value;  // query rows it holds
+
+  const int key0 = n_block * kBlockN;
+  const Mask mask(params.mask, batch);
+  // The per-element test, built before the loop: its barriers and fences
+  // would make the compiler reload the bounds per step.
+  const auto visible = mask.template element_test<int>();
+  // Where a band's per-element mask is applied. In the exponent loop (P = -0
+  // where hidden, which the dS^T loop then finds by its sign), dP^T's product
+  // is in flight and S^T, dP^T, dK and dV hold 208 of the 240 registers; with
+  // Traits::kTightRegisters (80 query rows) the mask's coordinates did not fit
+  // beside them there (ptxas: a 48-byte spill). kLateMask: after the dS^T
+  // loop instead, where no product is in flight and lse and delta are dead,
+  // P^T and dS^T are set to 0 where hidden (no spill). Either way a hidden
+  // score's P and dS are exact zeros whatever the score was (inf, NaN).
+  constexpr bool kLateMask = Traits::kTightRegisters && !Mask::kDense && !Mask::kHasSegments;
+  const int lane = tidx % 32;
+  const bool warp_leader = lane == 0;
+  // Named barrier (CUTLASS numbering, past its reserved ones): both
+  // consumers' dS^T rows are in shared memory.
+  constexpr uint32_t kDsBarrier = 1;
+  // With kPdSShared: both consumers' P^T columns are in shared memory.
+  constexpr uint32_t kPBarrier = 2;
+  // Counters of deterministic mode: params.h gives each query block of >= 32
+  // rows two.
+  static_assert(Traits::kConsumerWarpgroups <= 2 && kBlockM >= kDqSemaphoreRows);
+
+  // lse (log2 domain) and delta of a step's query rows go through shared
+  // memory, buffer step % 2: consumer threads 0 .. block_m - 1 load lse,
+  // block_m .. 2 block_m - 1 delta, one row each, a step ahead. The loads are
+  // issued early in the step before (their latency hidden under its products)
+  // and stored right before its dS barrier, which also orders them: every
+  // read of that buffer two steps back came before the last dS barrier, and
+  // every read of the new values comes after this one. Rows past the end and
+  // rows that saw no key in the forward (lse = -inf) get lse = +inf, so that
+  // P = 0 there.
+  auto load_row_stat = [&](int step) {
+    int head, m_block;
+    steps.unit(step, head, m_block);
+    const int row = m_block * kBlockM + tidx % kBlockM;
+    const int64_t index = (int64_t{batch} * params.num_heads + head) * params.seqlen_q + row;
+    if (row >= params.seqlen_q) return tidx < kBlockM ? INFINITY : 0.f;
+    if (tidx >= kBlockM) return params.delta[index];
+    const float lse = params.lse[index];
+    return lse == -INFINITY ? INFINITY : lse * kLog2e;
+  };
+  auto store_row_stat = [&](int step, float value) {
+    (tidx < kBlockM ? smem.lse_log2 : smem.delta)[step % 2][tidx % kBlockM] = value;
+  };
+  const bool loads_row_stat = tidx < 2 * kBlockM;
+  if (steps.num_steps > 0) {
+    if (loads_row_stat) store_row_stat(0, load_row_stat(0));
+    cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsBarrier);
+    FullBarrier::wait(&smem.kv_full, 0);
+  }
+  for (int step = 0; step < steps.num_steps; ++step) {
+    int head, m_block;
+    steps.unit(step, head, m_block);
+    const int row0 = m_block * kBlockM;
+    const RingSlot<kStages> slot(step);
+    const int stage = slot.stage;
+    const int buffer = step % 2;
+
+    // S^T = K Q^T and dP^T = V dO^T   (block_n x block_m)
+    consumer_wait(&smem.qdo_full[stage], slot.phase);
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    wgmma_issue</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
+    wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), acc_dp);
+    const bool next_row_stat = loads_row_stat && step + 1 < steps.num_steps;
+    const float row_stat = next_row_stat ? load_row_stat(step + 1) : 0.f;
+    // Segment ids, while the products run: the rows of this thread's keys,
+    // and whether the warp masks this tile (mask_bwd_sm90.h).
+    using IdBits = std::conditional_t<(kRows * kCols <= 32), uint32_t, uint64_t>;
+    bool seg_needs_mask = false;
+    int seg_lo[kRows], seg_hi[kRows];
+    IdBits seg_same = ~IdBits{0};
+    if constexpr (Mask::kHasSegments) {
+      seg_needs_mask =
+          segment_rows<kBlockM, kCols>(mask, params, cS_rc, key0, row0, seg_lo, seg_hi, seg_same);
+    }
+
+    // P^T = exp2(S^T * scale_log2 - lse_log2); keys outside the band or past
+    // the last key get P = 0, by a select that a NaN lse or score cannot turn
+    // into NaN (with kLateMask after the dS^T loop, below). The last key here
+    // is the last one that some row sees (key_limit): a band may let rows past
+    // seqlen_q (zeros, lse = +inf) see keys that no row sees, and their scores
+    // are NaN where k is. Masked P is -0, which exp2 never gives: the dS^T
+    // loop below finds them by it.
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(acc_s);
+    Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+    const bool needs_mask =
+        Mask::kHasSegments
+            ? seg_needs_mask
+            : key0 + kBlockN > params.seqlen_k ||
+                  mask.tile_class(row0, min(row0 + kBlockM, params.seqlen_q), key0,
+                                  key0 + kBlockN) != TileClass::kFull;
+    float lse_log2[kCols];  // of this thread's query rows (columns)
+    load_column_stat<Traits::kTightRegisters>(lse_log2, smem.lse_log2[buffer], cS_rc, lane);
+    const int key_limit =
+        static_cast<int>(mask.band().keys_of_rows(0, params.seqlen_q, params.seqlen_k).end);
+    // Softcap: P^T of the capped score t (recomputed from S^T here rather than
+    // kept: registers are what this kernel lacks) goes to p_cap in Element for
+    // the dV product at once, and acc_s keeps P^T (1 - t^2) for dS^T (-0
+    // where masked, as P).
+    constexpr bool kSoftcap = kScore == ScoreKind::kSoftcap;
+    // The register-tight order converts acc_s to P^T after dS^T: it holds P^T
+    // itself only without softcap (softcap calls run the band or segment masks,
+    // whose tiles sm90_bwd_tile keeps at 64 rows for softcap).
+    static_assert(!(kSoftcap && Traits::kTightRegisters));
+    Tensor p_cap = make_tensor<Element>(acc_s.layout());
+    Tensor p_cap_rc = make_tensor(p_cap.data(), acc_rowcol(acc_s.layout()));
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float p_pair[2];
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        const float score = kSoftcap ? fast_tanh(s_rc(r, c) * params.softcap_scale) : s_rc(r, c);
+        float p = fast_exp2(fmaf(score, params.softmax_scale_log2, -lse_log2[c]));
+        float ds_factor = kSoftcap ? p * (1.f - score * score) : p;
+        if (!kLateMask && needs_mask) {
+          const int key = key0 + get<0>(cS_rc(r, c));
+          const int row = row0 + get<1>(cS_rc(r, c));
+          const bool hidden = Mask::kHasSegments
+                                  ? row < seg_lo[r] || row >= seg_hi[r] ||
+                                        !((seg_same >> (r * kCols + c)) & 1)
+                                  : key >= key_limit || !visible(row, key);
+          if (hidden) p = ds_factor = -0.f;
+        }
+        s_rc(r, c) = ds_factor;
+        if constexpr (kSoftcap) {
+          // Columns 2j and 2j + 1 are neighbours in the fragment: one conversion.
+          p_pair[c % 2] = p;
+          if (c % 2 == 1) {
+            const auto pair = convert_pair<Element>(p_pair[0], p_pair[1]);
+            p_cap_rc(r, c - 1) = pair[0];
+            p_cap_rc(r, c) = pair[1];
+          }
+        }
+      }
+    }
+    // P^T in Element, the A operand of the dV product.
+    auto p_elements = [&] {
+      if constexpr (kSoftcap) {
+        return p_cap;
+      } else {
+        return convert_fragment<Element>(acc_s);
+      }
+    };
+    // dV += P^T dO   (block_n x head_dim), issued while dS^T is computed
+    // (with Traits::kTightRegisters after dK's product instead, below).
+    if constexpr (Traits::kPdSShared) {
+      // This consumer's P^T columns into shared memory; once both are there,
+      // the product over all of them for this consumer's head-dim columns.
+      Tensor sPt = make_tensor(make_smem_ptr(smem.p.begin()), typename Traits::SmemLayoutdSt{});
+      copy(smem_copy_ds, thr_copy_ds.retile_S(p_elements()),
+           thr_copy_ds.partition_D(sPt)(_, _, _, buffer));
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kPBarrier);
+      Tensor tdVsPt = thr_dkv.partition_fragment_A(sPt);  // (MMA, MMA_M, MMA_K, buffer)
+      wgmma_issue<false>(mma_dkv, tdVsPt(_, _, _, buffer), tdVrdO(_, _, _, stage), acc_dv);
+    } else if constexpr (!Traits::kTightRegisters) {
+      Tensor tdVrP = make_tensor<Element>(acc_as_a_operand(acc_s.layout()));
+      Tensor p = p_elements();
+      Tensor dst = make_tensor(tdVrP.data(), acc_s.layout());
+      CUTE_UNROLL
+      for (int i = 0; i < size(p); ++i) dst(i) = p(i);
+      warpgroup_fence_operand(tdVrP);
+      wgmma_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage), acc_dv);
+    }
+
+    // dS^T = P^T * (dP^T - delta); 0 where P was masked (dP - delta may be
+    // NaN there: a NaN in v, or a NaN row's delta).
+    warpgroup_wait<Traits::kTightRegisters ? 0 : 1>();  // dP^T done; dV may still run
+    warpgroup_fence_operand(acc_dp);
+    Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+    float delta[kCols];
+    load_column_stat<Traits::kTightRegisters>(delta, smem.delta[buffer], cS_rc, lane);
+    // P's sign bit (that of P (1 - t^2) with softcap) is set only where masked
+    // (-0; exp2 gives +0 and positive NaNs): spread into a mask, it clears dS
+    // there. Unmasked tiles have no -0, so the mask is all ones; the two
+    // integer operations cost less than a second copy of the loop for masked
+    // tiles (which made ptxas spill).
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        const uint32_t keep =
+            ~static_cast<uint32_t>(static_cast<int32_t>(__float_as_uint(s_rc(r, c))) >> 31);
+        dp_rc(r, c) =
+            __uint_as_float(__float_as_uint(s_rc(r, c) * (dp_rc(r, c) - delta[c])) & keep);
+      }
+    }
+    // kLateMask: the band's mask, on P^T (the dV product's operand, converted
+    // below) and dS^T alike.
+    if constexpr (kLateMask) {
+      if (needs_mask) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          CUTE_UNROLL
+          for (int c = 0; c < kCols; ++c) {
+            const int key = key0 + get<0>(cS_rc(r, c));
+            const int row = row0 + get<1>(cS_rc(r, c));
+            if (key >= key_limit || !visible(row, key)) s_rc(r, c) = dp_rc(r, c) = 0.f;
+          }
+        }
+      }
+    }
+    Tensor ds = convert_fragment<Element>(acc_dp);
+    // dS^T rows into shared memory for the dQ product, then dK += dS^T Q.
+    copy(smem_copy_ds, thr_copy_ds.retile_S(ds), tdSsdS(_, _, _, buffer));
+    if constexpr (!Traits::kPdSShared) {
+      Tensor tdKrdS = make_tensor<Element>(acc_as_a_operand(acc_dp.layout()));
+      Tensor dst = make_tensor(tdKrdS.data(), acc_dp.layout());
+      CUTE_UNROLL
+      for (int i = 0; i < size(ds); ++i) dst(i) = ds(i);
+      warpgroup_fence_operand(tdKrdS);
+      wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), acc_dk);
+    }
+    if constexpr (Traits::kTightRegisters) {
+      // dV += P^T dO, P^T converted only now: its 16-bit copy (the product's
+      // register operand) then never lives beside dP^T in float32.
+      Tensor tdVrP = make_tensor<Element>(acc_as_a_operand(acc_s.layout()));
+      Tensor p = convert_fragment<Element>(acc_s);
+      Tensor dst = make_tensor(tdVrP.data(), acc_s.layout());
+      CUTE_UNROLL
+      for (int i = 0; i < size(p); ++i) dst(i) = p(i);
+      warpgroup_fence_operand(tdVrP);
+      wgmma_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage), acc_dv);
+    }
+
+    // dQ = dS K   (block_m x this consumer's head-dim columns; with
+    // kDqTransposed its transpose, K^T dS^T), once both consumers' dS^T rows
+    // are visible to the tensor cores (and, with kPdSShared, dK += dS^T Q for
+    // its head-dim columns).
+    if (next_row_stat) store_row_stat(step + 1, row_stat);
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsBarrier);
+    if constexpr (Traits::kPdSShared) {
+      Tensor tdKsdSt = thr_dkv.partition_fragment_A(sdSt);  // (MMA, MMA_M, MMA_K, buffer)
+      wgmma_issue<false>(mma_dkv, tdKsdSt(_, _, _, buffer), tdKrQ(_, _, _, stage), acc_dk);
+    }
+    Tensor acc_dq = partition_fragment_C(mma_dq, typename Traits::dQAccShape{});
+    if constexpr (Traits::kDqTransposed) {
+      wgmma_issue<true>(mma_dq, tdQrK, tdQrdS(_, _, _, buffer), acc_dq);
+    } else {
+      wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrK, acc_dq);
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_dv);
+    warpgroup_fence_operand(acc_dk);
+    warpgroup_fence_operand(acc_dq);
+    // Q and dO of this stage are read; the other consumer may still read this
+    // dS buffer, which is written again two steps later, past its next barrier.
+    consumer_release(&smem.qdo_empty[stage], warp_leader);
+
+    // dQ_accum += dS K (scaled in the convert kernel): registers -> this
+    // consumer's staging buffer -> its writer's TMA reduce-add
+    // (epilogue_bwd_sm90.h).
+    stage_dq<Traits>(smem, acc_dq, tdQsdQ, consumer, step, warp_leader);
+  }
+
+  // dK and dV of the key block, written once, or added to the other shares'.
+  write_dk_dv<Traits>(acc_dk, acc_dv, thr_dkv, key0, batch, kv_head, params);
+}
+
+}  // namespace jflash::cuda::sm90

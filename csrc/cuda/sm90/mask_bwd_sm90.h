@@ -1,0 +1,69 @@
+// Masking in the Hopper backward's steps, where it is more than the band's
+// per-element test (which the step applies itself): the rows each of a
+// consumer thread's keys sees under segment ids.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+
+#include "jflash/params.h"
+
+namespace jflash::cuda::sm90 {
+
+using namespace cute;
+
+// Segment ids (SegmentMask), for a step of the rows from row0 against the
+// thread's keys: each key's rows (the band cut to the rows of the key's id:
+// exactly the rows that see it where those are contiguous, then the range test
+// is all; keys past seqlen_k: none) into seg_lo, seg_hi, and whether the warp
+// masks this tile (the block summaries' tile class spilled at head dim 64).
+// Where a key's rows are not contiguous (rare), the ids are compared too, into
+// seg_same (bit r * kCols + c: the same id), the rows' ids read one after the
+// other (each load's address waits for the last one) to keep registers free
+// (loaded together, or compared after P, they spilled 290 to 380 bytes at head
+// dim 64; this spills 190). Returns whether the warp masks the tile.
+template <int kBlockM, int kCols, int kRows, typename Mask, typename CoordsRowCol,
+          typename IdBits>
+__device__ __forceinline__ bool segment_rows(const Mask& mask, const BwdParams& params,
+                                             const CoordsRowCol& cS_rc, int key0, int row0,
+                                             int (&seg_lo)[kRows], int (&seg_hi)[kRows],
+                                             IdBits& seg_same) {
+  bool seg_needs_mask = false, seg_inexact = false;
+  bool seg_exact[kRows];
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const int key = key0 + get<0>(cS_rc(r, 0));
+    const auto rows = key < params.seqlen_k ? mask.key_row_range(key, params.seqlen_q)
+                                            : typename Mask::Range{{0, 0}, true};
+    seg_lo[r] = static_cast<int>(rows.keys.begin);
+    seg_hi[r] = static_cast<int>(rows.keys.end);
+    seg_exact[r] = rows.exact;
+    seg_inexact |= !rows.exact;
+    seg_needs_mask |= !rows.exact || seg_lo[r] > row0 || seg_hi[r] < row0 + kBlockM;
+  }
+  seg_inexact = __any_sync(0xffffffff, seg_inexact);
+  seg_needs_mask = __any_sync(0xffffffff, seg_needs_mask);
+  if (seg_inexact) {
+    int32_t key_id[kRows];
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int key = key0 + get<0>(cS_rc(r, 0));
+      key_id[r] = seg_exact[r] || key >= params.seqlen_k ? 0 : mask.key_segment(key);
+    }
+    int chain = 0;
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      int row = row0 + get<1>(cS_rc(0, c));
+      asm volatile("" : "+r"(row) : "r"(chain));
+      chain = row < params.seqlen_q ? mask.row_segment(row) : 0;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        if (!seg_exact[r] && chain != key_id[r]) seg_same &= ~(IdBits{1} << (r * kCols + c));
+      }
+    }
+  }
+  return seg_needs_mask;
+}
+
+}  // namespace jflash::cuda::sm90
