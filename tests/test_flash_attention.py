@@ -386,3 +386,64 @@ def test_segment_ids_transforms(rng):
     same = attend(q, k, v, jnp.zeros_like(q_ids), jnp.zeros_like(kv_ids))
     plain = jflash.flash_attention(q, k, v, causal=True)
     np.testing.assert_allclose(np.asarray(same), np.asarray(plain), rtol=1e-5, atol=1e-6)
+
+
+# A value head dim of its own (MLA-style): (batch, seq_q, seq_k, heads, heads_kv,
+# head_dim, head_dim_v, causal, window, segment kind or None, softcap).
+VALUE_HEAD_DIM_CASES = [
+    (2, 77, 65, 4, 2, 192, 128, True, None, None, None),
+    (1, 130, 97, 2, 1, 64, 128, False, (20, 5), None, None),
+    (2, 50, 50, 4, 4, 32, 80, True, None, "packed", 3.0),
+    (1, 33, 129, 2, 2, 256, 64, False, None, None, None),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", VALUE_HEAD_DIM_CASES,
+                         ids=lambda c: f"d{c[5]}_dv{c[6]}" + "_causal" * c[7] +
+                         ("_window" if c[8] else "") + ("_segments" if c[9] else "") +
+                         ("_softcap" if c[10] else ""))
+def test_value_head_dim_against_reference(rng, case, dtype):
+    """out [.., head_dim_v], lse and the three gradients against float64 truth
+    under the 2x rule, with masks, segment ids and softcap."""
+    b, sq, sk, h, hkv, d, dv, causal, window, kind, cap = case
+    q, k, _ = qkv_inputs(rng, (b, sq, sk, h, hkv, d), dtype)
+    v = jnp.asarray(rng.standard_normal((b, sk, hkv, dv)), dtype)
+    ids = segment_ids(rng, kind, b, sq, sk) if kind else (None, None)
+    dout = jnp.asarray(rng.standard_normal((b, sq, h, dv)), dtype)
+    dlse = jnp.asarray(rng.standard_normal((b, h, sq)), jnp.float32)
+    scale = 1 / np.sqrt(d)
+    lo, hi = window_diags(sq, sk, causal, window or (None, None))
+    kw = dict(causal=causal, window_size=window, softcap=cap, q_segment_ids=ids[0],
+              kv_segment_ids=ids[1])
+    (out, lse), vjp = jax.vjp(
+        jax.jit(lambda q, k, v: jflash.flash_attention(q, k, v, return_lse=True, **kw)), q, k, v)
+    assert out.shape == (b, sq, h, dv) and out.dtype == q.dtype
+    grads = vjp((dout, dlse))
+    seg = None if kind is None else tuple(np.asarray(x) for x in ids)
+    truth_out, truth_lse, _ = reference64.forward(*float64_inputs(q, k, v), scale, lo, hi, seg,
+                                                  cap)
+    truth_grads = reference64.backward(*float64_inputs(q, k, v, dout), np.asarray(dlse), scale,
+                                       lo, hi, seg, cap)
+    plain_kw = dict(softmax_scale=scale, diag_lo=lo, diag_hi=hi, dtype=plain_dtype(dtype),
+                    q_segment_ids=ids[0], kv_segment_ids=ids[1], softcap=cap)
+    (plain_out, plain_lse), plain_vjp = jax.vjp(
+        lambda q, k, v: reference_band(q, k, v, **plain_kw), q, k, v)
+    plain_grads = plain_vjp((dout, dlse))
+    for name, got, ref, exact in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
+                                     (plain_out, plain_lse, *plain_grads),
+                                     (truth_out, truth_lse, *truth_grads)):
+        assert got.shape == ref.shape, name
+        assert_within_rule(name, got, ref, exact, dtype)
+    # The public reference gives the same shape.
+    assert jflash.reference.attention(q, k, v, **kw).shape == (b, sq, h, dv)
+
+
+def test_value_head_dim_bad_shapes():
+    q = jax.ShapeDtypeStruct((2, 16, 4, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 16, 2, 64), jnp.bfloat16)
+    for v_shape, message in (((2, 16, 2, 512), "value's head_dim must be at most"),
+                             ((2, 16, 4, 128), "same shape but for head_dim")):
+        v = jax.ShapeDtypeStruct(v_shape, jnp.bfloat16)
+        with pytest.raises(ValueError, match=message):
+            jax.eval_shape(jflash.flash_attention, q, k, v)

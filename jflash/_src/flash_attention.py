@@ -138,18 +138,27 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, determ
         seg = (jnp.asarray(q_segment_ids, jnp.int32), jnp.asarray(kv_segment_ids, jnp.int32))
     if softcap is not None:
         softcap = float(softcap)
-    kernel_head_dim = kernel_calls.padded_head_dim(head_dim, segments=seg is not None,
+    # One head dim for the kernels: query/key and value (whose head dim may
+    # differ) zero-padded up to a kernel head dim that holds both. Zero columns
+    # of q and k leave the scores as they are; those of v give output columns
+    # of zeros, sliced off below.
+    value_head_dim = value.shape[3]
+    kernel_head_dim = kernel_calls.padded_head_dim(max(head_dim, value_head_dim),
+                                                   segments=seg is not None,
                                                    softcap=softcap is not None)
-    if kernel_head_dim != head_dim:
-        pad = [(0, 0), (0, 0), (0, 0), (0, kernel_head_dim - head_dim)]
-        query, key, value = (jnp.pad(x, pad) for x in (query, key, value))
+
+    def pad(x):
+        extra = kernel_head_dim - x.shape[3]
+        return jnp.pad(x, [(0, 0), (0, 0), (0, 0), (0, extra)]) if extra else x
+
+    query, key, value = pad(query), pad(key), pad(value)
     cp = context_parallel.current_config()
     out, lse = _attention(
         query, key, value, seg, float(softmax_scale), softcap, diag_lo, diag_hi, cp,
         bool(deterministic),
     )
-    if kernel_head_dim != head_dim:
-        out = out[..., :head_dim]
+    if kernel_head_dim != value_head_dim:
+        out = out[..., :value_head_dim]
     return out, lse
 
 
@@ -182,7 +191,11 @@ def flash_attention(query, key, value, *, causal=False, softmax_scale=None, retu
       key: [batch, seq_k, num_heads_kv, head_dim], same dtype; num_heads must be
         a multiple of num_heads_kv (GQA/MQA: query head h reads kv head
         h // (num_heads // num_heads_kv)).
-      value: same shape and dtype as key.
+      value: [batch, seq_k, num_heads_kv, head_dim_v], the dtype of key; its
+        head dim may differ from query's and key's (MLA-style models): out then
+        has head_dim_v. The kernels run at one head dim, the larger of the two
+        (padded up to a kernel head dim as any head dim is), so a call with
+        head_dim 192 and head_dim_v 128 costs what head dim 192 costs.
       causal: mask aligned to the bottom-right corner: query i sees key j iff
         j <= i + seq_k - seq_q. A row that sees no key outputs zeros, lse -inf,
         and gets zero gradients. NaN and Inf propagate as in float32
@@ -221,7 +234,7 @@ def flash_attention(query, key, value, *, causal=False, softmax_scale=None, retu
         either way. The forward is always deterministic.
 
     Returns:
-      out with the shape and dtype of query, or (out, lse).
+      out [batch, seq_q, num_heads, head_dim_v] in query's dtype, or (out, lse).
     """
     softmax_scale, diag_lo, diag_hi, return_lse, segment_ids, softcap = resolve_arguments(
         query, key, value, causal, softmax_scale, return_lse, window_size, q_segment_ids,

@@ -36,7 +36,8 @@ def symbolic_dims(shape):
 
 
 def check_qkv(query, key, value):
-    """Validates [batch, seq, heads, head_dim] q/k/v; returns their shapes and dtype."""
+    """Validates [batch, seq, heads, head_dim] q/k/v (value's head_dim may differ
+    from that of query and key); returns the shapes of query and key, and dtype."""
     shapes = {}
     dtypes = {}
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -68,8 +69,9 @@ def check_qkv(query, key, value):
             f"{dtypes['query']}, {dtypes['key']} and {dtypes['value']}"
         )
     q, k, v = shapes["query"], shapes["key"], shapes["value"]
-    if k != v:
-        raise ValueError(f"key and value must have the same shape, got key {k} and value {v}")
+    if k[:3] != v[:3]:
+        raise ValueError("key and value must have the same shape but for head_dim (value's "
+                         f"may differ), got key {k} and value {v}")
     if q[0] != k[0]:
         raise ValueError(f"query and key must have the same batch size, got query {q} and key {k}")
     if q[3] != k[3]:
@@ -81,6 +83,8 @@ def check_qkv(query, key, value):
         )
     if q[3] > MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got query {q}")
+    if v[3] > MAX_HEAD_DIM:
+        raise ValueError(f"value's head_dim must be at most {MAX_HEAD_DIM}, got value {v}")
     return q, k, dtypes["query"]
 
 
