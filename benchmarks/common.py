@@ -17,6 +17,7 @@ numbers the README compares with were taken.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -44,6 +45,28 @@ def attention_flops(batch, seqlen_q, seqlen_k, num_heads, head_dim, *, causal, m
     if causal:
         flops /= 2
     return flops * _MODE_FACTOR[mode]
+
+
+def band_pairs(seqlen_q, seqlen_k, lo=None, hi=None):
+    """Query/key pairs (i, j), 0 <= i < seqlen_q, 0 <= j < seqlen_k, with
+    lo <= j - i <= hi (None: that side unbounded), counted exactly.
+
+    Causal with seqlen_q == seqlen_k is lo=None, hi=0: S * (S + 1) / 2 pairs; a
+    causal sliding window of `left` keys before the query is lo=-left, hi=0.
+    """
+    lo = -(seqlen_q - 1) if lo is None else max(int(lo), -(seqlen_q - 1))
+    hi = seqlen_k - 1 if hi is None else min(int(hi), seqlen_k - 1)
+    total = 0
+    for d in range(lo, hi + 1):  # the pairs of diagonal j - i = d
+        total += max(0, min(seqlen_q, seqlen_k - d) - max(0, -d))
+    return total
+
+
+def band_flops(batch, seqlen_q, seqlen_k, num_heads, head_dim, *, lo=None, hi=None, mode="fwd"):
+    """FLOPs of an attention call that computes only the pairs of band_pairs
+    (4 * head_dim per pair and head: the convention above, counted exactly)."""
+    pairs = band_pairs(seqlen_q, seqlen_k, lo, hi)
+    return 4.0 * batch * num_heads * head_dim * pairs * _MODE_FACTOR[mode]
 
 
 def tflops(flops, seconds):
@@ -83,9 +106,13 @@ def _unit_rms(x, dtype):
 
 
 def make_loop(attention: Callable, mode: str, iterations: int, feed: str = "sliver"):
-    """jit(q, k, v, cotangent) -> final carry of `iterations` dependent attention calls.
+    """jit(q, k, v, cotangent, *operands) -> final carry of `iterations` dependent
+    attention calls.
 
-    attention(q, k, v) -> out, [batch, seq, heads, head_dim]. For fwdbwd each
+    attention(q, k, v, *operands) -> out, [batch, seq, heads, head_dim] (or any
+    layout of q's rank). operands (sequence lengths, cu_seqlens, ...) are passed
+    to every call as they are, as arguments of the jitted program rather than
+    constants XLA could fold at compile time. For fwdbwd each
     iteration is the forward plus the gradient of sum(out * cotangent) with respect
     to q, k and v (a jax.vjp); the cotangent is a fixed random tensor (not ones,
     which would make dv a column sum of P).
@@ -95,20 +122,20 @@ def make_loop(attention: Callable, mode: str, iterations: int, feed: str = "sliv
     if feed not in FEEDS:
         raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}")
 
-    def forward_backward(q, k, v, cotangent):
+    def forward_backward(q, k, v, cotangent, operands):
         # jax.vjp rather than jax.grad of a sum: out must be used, as in training,
         # or XLA drops the P @ V product that its own backward does not need.
-        out, vjp = jax.vjp(attention, q, k, v)
+        out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, *operands), q, k, v)
         dq, dk, dv = vjp(cotangent.astype(out.dtype))
         return out, dq, dk, dv
 
-    def body(_, carry):
+    def body(operands, _, carry):
         q, k, v, cotangent = carry
         if mode == "fwd":
-            out = attention(q, k, v)
+            out = attention(q, k, v, *operands)
             q = out.astype(q.dtype) if feed == "out" else _write_sliver(q, _sliver(out))
         else:
-            out, dq, dk, dv = forward_backward(q, k, v, cotangent)
+            out, dq, dk, dv = forward_backward(q, k, v, cotangent, operands)
             others = _sliver(out) + _sliver(dk) + _sliver(dv)
             if feed == "out":
                 q = _unit_rms(dq, q.dtype)
@@ -118,8 +145,9 @@ def make_loop(attention: Callable, mode: str, iterations: int, feed: str = "sliv
         return q, k, v, cotangent
 
     @jax.jit
-    def loop(q, k, v, cotangent):
-        return jax.lax.fori_loop(0, iterations, body, (q, k, v, cotangent))
+    def loop(q, k, v, cotangent, *operands):
+        return jax.lax.fori_loop(0, iterations, functools.partial(body, operands),
+                                 (q, k, v, cotangent))
 
     return loop
 
@@ -332,9 +360,10 @@ def fmt(x, digits=1):
 # --------------------------------------------------------------------------- correctness
 
 
-def _reference_attention(q, k, v, causal, softcap=None):
+def _reference_attention(q, k, v, causal, softcap=None, window=None):
     """Plain-jnp float32 attention, [batch, seq, heads, head_dim]; top-left causal;
-    softcap c: scores c * tanh(s / c).
+    softcap c: scores c * tanh(s / c); window (left, right): query i sees key j
+    iff i - left <= j <= i + right (top-left, as causal).
 
     Kept here rather than imported from jflash.reference so that the peer rows are
     checked even when jflash fails to import. Sq == Sk in every benchmark, where
@@ -350,12 +379,18 @@ def _reference_attention(q, k, v, causal, softcap=None):
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         visible = jnp.arange(seqlen_k)[None, :] <= jnp.arange(seqlen_q)[:, None]
         scores = jnp.where(visible, scores, -jnp.inf)
+    if window is not None:
+        left, right = window
+        offset = jnp.arange(k.shape[1])[None, :] - jnp.arange(q.shape[1])[:, None]
+        scores = jnp.where((offset >= -left) & (offset <= right), scores, -jnp.inf)
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v, precision=highest)
 
 
-def relative_errors(attention, q, k, v, cotangent, *, causal, mode, num_heads=1, softcap=None):
+def relative_errors(attention, q, k, v, cotangent, *, causal, mode, num_heads=1, softcap=None,
+                    window=None):
     """||impl - ref|| / ||ref|| on batch 0 and the first num_heads heads; softcap:
-    that of the impl's scores (None: none).
+    that of the impl's scores (None: none); window: the impl's (left, right)
+    window (None: none).
 
     A slice keeps the float32 reference's seq x seq scores small (1 GiB at 16k).
     fwd: {"out": e}; fwdbwd: also "dq", "dk", "dv".
@@ -374,7 +409,7 @@ def relative_errors(attention, q, k, v, cotangent, *, causal, mode, num_heads=1,
     # Inputs go in as arguments: closed-over arrays would become constants that
     # XLA folds at compile time (seconds at seq 4096).
     got = jax.jit(lambda *a: run(attention, q.dtype, *a))(q, k, v, cotangent)
-    reference = lambda *a: _reference_attention(*a, causal, softcap)
+    reference = lambda *a: _reference_attention(*a, causal, softcap, window)
     ref = jax.jit(lambda *a: run(reference, jnp.float32, *a))(q, k, v, cotangent)
     errors = {}
     for name, r in ref.items():
