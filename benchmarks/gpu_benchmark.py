@@ -33,6 +33,19 @@ default: the softcap kernels against the plain ones in the same run, e.g.
   python3 -P benchmarks/gpu_benchmark.py --head-dims 128 --seqs 4096 16384 \
       --impls jflash,jflash_softcap --out $OUT/softcap.json
 ).
+
+--window LEFT: a causal sliding window of LEFT keys before each query. The
+causal rows get two more impls: jflash_window (flash_attention(causal=True,
+window_size=(LEFT, 0))) and cudnn_window (jax.nn.dot_product_attention(
+is_causal=True, local_window_size=(LEFT, 0), implementation="cudnn"): jax's
+window is top-left aligned, which is jflash's bottom-right one at seq_q ==
+seq_k; query i sees keys i - LEFT .. i). Their FLOPs count the band's visible
+pairs exactly (common.band_flops, j - i in [-LEFT, 0]); the summary puts each
+beside its causal rate, window / causal (both on exact pair counts; the target
+is jflash's >= 0.90 at seq 16384, LEFT 4096):
+
+  python3 -P benchmarks/gpu_benchmark.py --head-dims 128 --seqs 16384 --causal yes \
+      --impls jflash,cudnn --window 4096 --out $OUT/window.json
 """
 
 from __future__ import annotations
@@ -49,11 +62,18 @@ import common  # noqa: E402
 
 # jflash_det: flash_attention(..., deterministic=True), whose backward adds dq
 # in key-block order (run when asked for: --impls jflash,jflash_det,cudnn);
-# jflash_softcap: flash_attention(..., softcap=--softcap).
-IMPLS = ("jflash", "jflash_det", "jflash_softcap", "cudnn", "xla")
-# The variants' summary columns: impl, its column, the column of its rate over jflash's.
+# jflash_softcap: flash_attention(..., softcap=--softcap); jflash_window and
+# cudnn_window: the causal rows' sliding window of --window LEFT keys.
+IMPLS = ("jflash", "jflash_det", "jflash_softcap", "cudnn", "xla", "jflash_window",
+         "cudnn_window")
+WINDOW_IMPLS = ("jflash_window", "cudnn_window")
+# The variants' summary columns: impl, its column, the column of its rate over
+# that of the impl it varies (jflash, or cudnn for cudnn_window).
 VARIANTS = (("jflash_det", "jflash det", "det/jflash"),
-            ("jflash_softcap", "jflash softcap", "softcap/jflash"))
+            ("jflash_softcap", "jflash softcap", "softcap/jflash"),
+            ("jflash_window", "jflash window", "window/causal"),
+            ("cudnn_window", "cudnn window", "cudnn window/causal"))
+_BASE = {"cudnn_window": "cudnn"}
 DEFAULT_IMPLS = ("jflash", "cudnn", "xla")
 PAPER_HEAD_DIMS = (64, 128, 256)
 PAPER_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -63,7 +83,7 @@ QUICK = dict(head_dims=[128], seqs=[1024, 4096, 16384])
 # repeat); a wrong guess changes the loop length, not the measurement.
 _ASSUMED_FLOPS_PER_S = {
     "gpu": {"jflash": 4e14, "jflash_det": 4e14, "jflash_softcap": 4e14, "cudnn": 4e14,
-            "xla": 1e14},
+            "xla": 1e14, "jflash_window": 4e14, "cudnn_window": 4e14},
     "cpu": 3e10,
 }
 
@@ -72,24 +92,28 @@ class Unavailable(Exception):
     """The impl cannot run here (no GPU for cuDNN, too much memory for XLA): not an error."""
 
 
-def attention_fn(impl, causal, platform, softcap=None):
-    """impl's attention(q, k, v); softcap: that of jflash_softcap."""
+def attention_fn(impl, causal, platform, softcap=None, window=None):
+    """impl's attention(q, k, v); softcap: that of jflash_softcap; window:
+    (left, 0), that of jflash_window and cudnn_window."""
     import jax
 
-    if impl in ("jflash", "jflash_det", "jflash_softcap"):
+    if impl in ("jflash", "jflash_det", "jflash_softcap", "jflash_window"):
         import jflash
 
         if platform == "gpu" and not jflash.HAS_CUDA_KERNELS:
             raise Unavailable("this jflash build has no CUDA kernels (built with JFLASH_CUDA=OFF?)")
         det = impl == "jflash_det"
         cap = softcap if impl == "jflash_softcap" else None
+        win = window if impl == "jflash_window" else None
         return lambda q, k, v: jflash.flash_attention(q, k, v, causal=causal, deterministic=det,
-                                                      softcap=cap)
-    if impl == "cudnn":
+                                                      softcap=cap, window_size=win)
+    if impl in ("cudnn", "cudnn_window"):
         if platform != "gpu":
             raise Unavailable(f"cuDNN attention needs a CUDA GPU; running on {platform}")
+        # jax.nn's window is top-left aligned: with seq_q == seq_k it is jflash's.
+        win = window if impl == "cudnn_window" else None
         return lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, implementation="cudnn"
+            q, k, v, is_causal=causal, local_window_size=win, implementation="cudnn"
         )
     if impl == "xla":
         return lambda q, k, v: jax.nn.dot_product_attention(
@@ -111,7 +135,15 @@ def run_one(impl, shape, causal, mode, inputs, args, platform, data="normal"):
     rec = dict(impl=impl, head_dim=head_dim, seq=seq, batch=batch, heads=heads,
                kv_heads=heads // args.group, causal=causal, mode=mode, dtype=args.dtype,
                data=data, feed=args.feed)
-    flops = common.attention_flops(batch, seq, seq, heads, head_dim, causal=causal, mode=mode)
+    window = None
+    if impl in WINDOW_IMPLS:
+        window = (args.window, 0)
+        rec["window"] = list(window)
+        # The band's visible pairs, exactly (query i sees keys i - left .. i).
+        flops = common.band_flops(batch, seq, seq, heads, head_dim, lo=-args.window, hi=0,
+                                  mode=mode)
+    else:
+        flops = common.attention_flops(batch, seq, seq, heads, head_dim, causal=causal, mode=mode)
     rec["flops"] = flops
     try:
         if impl == "xla":
@@ -122,10 +154,10 @@ def run_one(impl, shape, causal, mode, inputs, args, platform, data="normal"):
         softcap = args.softcap if impl == "jflash_softcap" else None
         if softcap is not None:
             rec["softcap"] = softcap
-        attention = attention_fn(impl, causal, platform, softcap)
+        attention = attention_fn(impl, causal, platform, softcap, window)
         if not args.no_check:
             rec["rel_err"] = common.relative_errors(
-                attention, *inputs, causal=causal, mode=mode, softcap=softcap
+                attention, *inputs, causal=causal, mode=mode, softcap=softcap, window=window
             )
         rate = _ASSUMED_FLOPS_PER_S[platform][impl] if platform == "gpu" else _ASSUMED_FLOPS_PER_S["cpu"]
         iterations = common.iterations_for(flops, rate, args.target_ms / 1e3, hi=args.max_iterations)
@@ -156,10 +188,13 @@ def backward_record(fwd, fwdbwd):
     backward loop would time that forward too.
     """
     rec = {k: fwd[k] for k in ("impl", "head_dim", "seq", "batch", "heads", "kv_heads", "causal",
-                               "dtype", "data") if k in fwd}
+                               "dtype", "data", "window") if k in fwd}
     rec.update(mode="bwd", derived="fwdbwd median_s - fwd median_s")
-    rec["flops"] = common.attention_flops(fwd["batch"], fwd["seq"], fwd["seq"], fwd["heads"],
-                                          fwd["head_dim"], causal=fwd["causal"], mode="bwd")
+    if "flops" in fwd:  # the forward's, counted as they were (band pairs for a window)
+        rec["flops"] = fwd["flops"] * 2.5
+    else:
+        rec["flops"] = common.attention_flops(fwd["batch"], fwd["seq"], fwd["seq"], fwd["heads"],
+                                              fwd["head_dim"], causal=fwd["causal"], mode="bwd")
     if fwd.get("status") == fwdbwd.get("status") == "ok":
         rec["median_s"] = fwdbwd["median_s"] - fwd["median_s"]
         rec["tflops"] = common.tflops(rec["flops"], rec["median_s"])
@@ -201,10 +236,15 @@ def summary_table(records):
         row = [head_dim, seq, cell["batch"], cell["heads"], data, "yes" if causal else "no", mode,
                tf("jflash"), tf("cudnn"), tf("xla"), ratio, err("jflash"), err("cudnn")]
         for impl, _, _ in variants:
-            d = cell.get(impl)
+            d, base = cell.get(impl), cell.get(_BASE.get(impl, "jflash"))
             variant_ratio = None
-            if j and d and j["status"] == d["status"] == "ok":
-                variant_ratio = f"{d['tflops'] / j['tflops']:.2f}"
+            if base and d and base["status"] == d["status"] == "ok":
+                base_rate = base["tflops"]
+                if impl in WINDOW_IMPLS:  # against the causal rate on exact pairs too
+                    base_rate = common.tflops(common.band_flops(
+                        base["batch"], seq, seq, base["heads"], head_dim, hi=0,
+                        mode=mode), base["median_s"])
+                variant_ratio = f"{d['tflops'] / base_rate:.2f}"
             row += [tf(impl), variant_ratio]
         table.append(row)
     headers = ["D", "seq", "B", "H", "data", "causal", "mode", "jflash", "cudnn", "xla",
@@ -237,6 +277,9 @@ def main(argv=None):
                         help="what q, k, v hold (common.DATA_MODES); one set of rows per mode")
     parser.add_argument("--softcap", type=float, default=50.0,
                         help="the softcap of the jflash_softcap rows")
+    parser.add_argument("--window", type=int, default=None, metavar="LEFT",
+                        help="add jflash_window and cudnn_window to the causal rows: a causal "
+                             "sliding window of LEFT keys before each query")
     parser.add_argument("--xla-max-gb", type=float, default=8.0)
     parser.add_argument("--feed", default="sliver", choices=common.FEEDS,
                         help="how one call's result reaches the next (common.py)")
@@ -258,6 +301,14 @@ def main(argv=None):
         if not values or set(values) - set(allowed):
             parser.error(f"{name} takes a comma list of {','.join(allowed)}")
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    if args.window is not None:
+        if args.window < 0:
+            parser.error("--window LEFT takes LEFT >= 0")
+        if True not in causals:
+            parser.error("--window adds causal rows: use --causal yes or both")
+        impls += [i for i in WINDOW_IMPLS if i not in impls]
+    elif set(impls) & set(WINDOW_IMPLS):
+        parser.error("jflash_window and cudnn_window need --window LEFT")
     args.data = list(dict.fromkeys(args.data))
     if args.feed == "out" and "peaked" in args.data:
         parser.error("--data peaked needs --feed sliver: --feed out replaces q (where the data "
@@ -293,8 +344,10 @@ def main(argv=None):
                 q, k, v, cotangent = inputs
                 inputs = (q, k[:, :, : heads // args.group], v[:, :, : heads // args.group], cotangent)
         for causal in causals:
+            # The window impls run in the causal rows only.
+            row_impls = [i for i in impls if causal or i not in WINDOW_IMPLS]
             for mode in modes:
-                for impl in impls:
+                for impl in row_impls:
                     out_of_time = args.time_budget_s and (
                         time.perf_counter() - started > args.time_budget_s)
                     if out_of_time or inputs is None:
@@ -313,8 +366,8 @@ def main(argv=None):
                           f"{data:7s}{'causal' if causal else 'full  '} {mode:6s} {impl:6s} {what}",
                           flush=True)
             if "fwd" in modes and "fwdbwd" in modes:
-                for impl in impls:
-                    by_mode = {r["mode"]: r for r in records[-len(modes) * len(impls):]
+                for impl in row_impls:
+                    by_mode = {r["mode"]: r for r in records[-len(modes) * len(row_impls):]
                                if r["impl"] == impl}
                     records.append(backward_record(by_mode["fwd"], by_mode["fwdbwd"]))
                 common.write_json(out, payload)
