@@ -91,3 +91,76 @@ def test_segments_benchmark_random_documents(tmp_path):
     assert record["separate_calls"] == len(set(lengths))
     assert record["packed_ms"] > 0 and record["separate_ms"] > 0
     assert f"random {len(lengths)}" in stdout
+
+
+def test_varlen_benchmark(tmp_path):
+    out = tmp_path / "varlen.json"
+    stdout = _run("varlen_benchmark.py", "--allow-cpu", "--num-seqs", 3, "--min-len", 16,
+                  "--max-len", 48, "--heads", 2, "--head-dim", 32, "--causal", "yes",
+                  "--modes", "fwd", "--target-ms", 1, "--repeats", 1, "--min-total-s", 0,
+                  "--check", "--out", out)
+    payload = json.loads(out.read_text())
+    lengths = payload["lengths"]
+    assert len(lengths) == 3 and all(16 <= n <= 48 for n in lengths)
+    by_impl = {r["impl"]: r for r in payload["records"]}
+    assert set(by_impl) == {"jflash_varlen", "jflash_mean", "cudnn_padded", "jflash_padded"}
+    assert by_impl["cudnn_padded"]["status"] == "unavailable"
+    # Causal useful FLOPs: the visible pairs of each sequence, L * (L + 1) / 2.
+    flops = 4 * 2 * 32 * sum(n * (n + 1) // 2 for n in lengths)
+    batch, seq = payload["mean_shape"]["batch"], payload["mean_shape"]["seq"]
+    assert by_impl["jflash_mean"]["flops"] == 4 * 2 * 32 * batch * seq * (seq + 1) // 2
+    for impl in ("jflash_varlen", "jflash_mean", "jflash_padded"):
+        r = by_impl[impl]
+        assert r["status"] == "ok", r
+        assert r["tflops"] > 0 and r["rel_err"] < 2e-2
+        if impl != "jflash_mean":
+            assert r["flops"] == flops
+    table = stdout[stdout.index("causal"):]
+    assert "varlen/mean" in table and ">= 0.90" in table
+
+
+def test_band_pairs():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import common
+    finally:
+        sys.path.pop(0)
+    import numpy as np
+
+    for sq, sk in ((1, 1), (7, 7), (9, 4), (4, 9)):
+        offset = np.arange(sk)[None, :] - np.arange(sq)[:, None]
+        for lo in (None, -20, -3, 0, 2):
+            for hi in (None, -2, 0, 3, 20):
+                visible = np.ones((sq, sk), bool)
+                if lo is not None:
+                    visible &= offset >= lo
+                if hi is not None:
+                    visible &= offset <= hi
+                assert common.band_pairs(sq, sk, lo, hi) == visible.sum(), (sq, sk, lo, hi)
+    assert common.band_pairs(16384, 16384, hi=0) == 16384 * 16385 // 2
+
+
+def test_gpu_benchmark_window(tmp_path):
+    out = tmp_path / "window.json"
+    stdout = _run("gpu_benchmark.py", "--allow-cpu", "--head-dims", 32, "--seqs", 128,
+                  "--tokens", 128, "--model-dim", 64, "--causal", "both", "--impls", "jflash,cudnn",
+                  "--window", 16, "--target-ms", 1, "--repeats", 1, "--min-total-s", 0,
+                  "--out", out)
+    records = json.loads(out.read_text())["records"]
+    windowed = [r for r in records if r["impl"] in ("jflash_window", "cudnn_window")]
+    # causal rows only: fwd, fwdbwd and the derived bwd of each window impl
+    assert len(windowed) == 6 and all(r["causal"] and r["window"] == [16, 0] for r in windowed)
+    pairs = 17 * 128 - 16 * 17 // 2  # j - i in [-16, 0] on 128 x 128
+    factor = {"fwd": 1.0, "fwdbwd": 3.5, "bwd": 2.5}
+    for r in windowed:
+        assert r["flops"] == 4 * 1 * 2 * 32 * pairs * factor[r["mode"]]
+    jflash_window = {r["mode"]: r for r in windowed if r["impl"] == "jflash_window"}
+    assert all(r["status"] == "ok" for r in jflash_window.values())
+    # checked against a windowed float32 reference: a wrong band would be far off
+    assert max(jflash_window["fwdbwd"]["rel_err"].values()) < 2e-2
+    assert all(r["status"] != "ok" for r in windowed if r["impl"] == "cudnn_window")
+    header = stdout[stdout.index(" D  seq"):].split("\n")[0]
+    assert "window/causal" in header and "cudnn window/causal" in header
+    lines = [line.split() for line in stdout[stdout.index(" D  seq"):].split("\n")[2:] if line]
+    causal_fwd = next(c for c in lines if c[5] == "yes" and c[6] == "fwd")
+    assert float(causal_fwd[-4]) > 0 and float(causal_fwd[-3]) > 0  # jflash window, window/causal
