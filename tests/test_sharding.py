@@ -19,23 +19,12 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jflash
+from host_mesh import HOST_CPUS as _HOST_CPUS
+from host_mesh import mesh as _mesh
+from host_mesh import needs_8_cpus, on_host_cpus  # noqa: F401 (autouse fixture)
 from jflash._src.sharding import AVOIDED_COLLECTIVES
 
-# The 8 host CPU devices of tests/conftest.py, also on a GPU machine (one GPU
-# cannot host these meshes): partitioning is platform independent, and the
-# unsharded comparisons run on the same CPU devices (autouse fixture below).
-_HOST_CPUS = jax.devices("cpu")[:8]
-pytestmark = pytest.mark.skipif(len(_HOST_CPUS) < 8, reason="needs 8 host CPU devices")
-
-
-@pytest.fixture(autouse=True)
-def _on_host_cpus():
-    with jax.default_device(_HOST_CPUS[0]):
-        yield
-
-
-def _mesh(axis_type=AxisType.Auto):
-    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2, devices=_HOST_CPUS)
+pytestmark = needs_8_cpus
 
 
 def _qkv(rng, batch=4, seq=32, heads=8, heads_kv=8, head_dim=32, dtype=jnp.float32):
