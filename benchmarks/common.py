@@ -292,6 +292,15 @@ def jflash_commit():
     return "unknown"
 
 
+def require_gpu(parser, allow_cpu):
+    """The platform jax runs on; a usage error (parser.error) where it is not a
+    GPU, unless allow_cpu (a script's --allow-cpu: its logic at tiny sizes)."""
+    platform = jax.devices()[0].platform
+    if platform != "gpu" and not allow_cpu:
+        parser.error(f"no GPU found (jax platform {platform}); pass --allow-cpu to test the logic")
+    return platform
+
+
 def environment_record():
     """Who measured what, where: attached to every results file."""
     device = jax.devices()[0]

@@ -368,9 +368,7 @@ def main(argv=None):
 
     import jax
 
-    platform = jax.devices()[0].platform
-    if platform != "gpu" and not args.allow_cpu:
-        parser.error(f"no GPU found (jax platform {platform}); pass --allow-cpu to test the logic")
+    platform = common.require_gpu(parser, args.allow_cpu)
     started = time.perf_counter()
     env = common.environment_record()
     default = common.default_results_path(platform, env["device_kind"])

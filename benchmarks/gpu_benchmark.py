@@ -317,11 +317,7 @@ def main(argv=None):
         if args.group < 1 or heads % args.group:
             parser.error(f"--group {args.group} must divide the {heads} heads of head dim {head_dim}")
 
-    import jax
-
-    platform = jax.devices()[0].platform
-    if platform != "gpu" and not args.allow_cpu:
-        parser.error(f"no GPU found (jax platform {platform}); pass --allow-cpu to test the logic")
+    platform = common.require_gpu(parser, args.allow_cpu)
 
     started = time.perf_counter()
     env = common.environment_record()

@@ -257,11 +257,7 @@ def main(argv=None):
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     lengths = random_lengths(args.num_seqs, args.min_len, args.max_len, args.seed)
 
-    import jax
-
-    platform = jax.devices()[0].platform
-    if platform != "gpu" and not args.allow_cpu:
-        parser.error(f"no GPU found (jax platform {platform}); pass --allow-cpu to test the logic")
+    platform = common.require_gpu(parser, args.allow_cpu)
 
     started = time.perf_counter()
     env = common.environment_record()
