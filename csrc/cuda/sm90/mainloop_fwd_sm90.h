@@ -215,6 +215,14 @@ struct FwdMainloopSm90 {
   const int lane;
   const int warp_in_group;
   bool redo = false;  // this warp's verdict on the last key tile
+  // Set for the rest of a unit once its warpgroup computed a key tile again:
+  // from then on each tile is folded with fresh maxima (fold_max) straight
+  // away. Data whose row maxima keep rising (keys whose norms grow along the
+  // sequence) or jump (sharply peaked scores) would otherwise pay a second
+  // Q K^T on many tiles; data that never redoes never sets it. Warpgroup-
+  // uniform: set from the warpgroup's verdict, so that at most one tile per
+  // unit and consumer is computed twice.
+  bool fresh_max = false;
   int kv_iter = 0;    // K/V tiles consumed so far: position in the ring
   int q_iter = 0;     // Q tiles consumed so far
 
@@ -324,6 +332,7 @@ struct FwdMainloopSm90 {
   __device__ __forceinline__ void settle(Softmax& softmax, OutRowCol& o_rc, int j, int n_block,
                                          int k_stage, bool last_q_k) {
     if (any_redo(j)) {
+      fresh_max = true;
       recompute_s(k_stage);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_s);
@@ -347,6 +356,7 @@ struct FwdMainloopSm90 {
     mask.set_rows(tile.row_begin, tile.batch, cS_rc());
     softmax.reset();
     clear(acc_o);
+    fresh_max = false;
     if (n_tiles <= 0) return;
     if constexpr (Traits::kPingPong) {
       if (consumer == 1) Barriers::arrive(kPairThreads, Barriers::kTurn);
@@ -407,7 +417,7 @@ struct FwdMainloopSm90 {
         // overwrote it); as wgmma is warpgroup-wide, so is that product, and
         // K_i (and Q) stay in shared memory until it is settled.
         const bool needs_mask = mask_scores(n_block);
-        const bool stale = softmax.has_finite_max();
+        const bool stale = !fresh_max && softmax.has_finite_max();
         float tile_sum[kRows];
         auto s = s_rc();
         const bool over = stale && !softmax.exp_stale(s, needs_mask, tile_sum);
@@ -430,6 +440,7 @@ struct FwdMainloopSm90 {
           // Both paths leave no product in flight (C7515, docs/cuda_kernels.md, Compiler pitfalls).
           warpgroup_wait<0>();
           if (redo_any) {
+            fresh_max = true;
             recompute_s(slot.stage);
             warpgroup_wait<0>();
             warpgroup_fence_operand(acc_s);
