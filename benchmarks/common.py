@@ -5,7 +5,11 @@ One FLOP convention for all numbers (the FlashAttention papers'):
   causal           = half of that (the masked triangle is not counted)
   backward         = 2.5 x forward (five matmuls instead of two)
   forward+backward = 3.5 x forward
-Softmax exps and the online-softmax rescales are not counted.
+Softmax exps and the online-softmax rescales are not counted. With a value head
+dim Dv other than the query/key head dim D (MLA-style): forward = 2 * B * H *
+Sq * Sk * (D + Dv) (Q K^T, P V), backward = 2 * B * H * Sq * Sk * (3 D + 2 Dv)
+(recomputed Q K^T, dQ = dS K, dK = dS^T Q on D; dP = dO V^T, dV = P^T dO on
+Dv); at Dv == D these are the lines above.
 
 Timing keeps the work on the device: one jitted lax.fori_loop runs `iterations`
 attention calls back to back, each depending on the one before (see make_loop), so
@@ -33,18 +37,32 @@ import jax.numpy as jnp
 import jaxlib
 
 MODES = ("fwd", "fwdbwd")
-_MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 
 BENCHMARKS_DIR = pathlib.Path(__file__).resolve().parent
 RESULTS_DIR = BENCHMARKS_DIR / "results"
 
 
-def attention_flops(batch, seqlen_q, seqlen_k, num_heads, head_dim, *, causal, mode="fwd"):
-    """FLOPs of one attention call under the convention above (mode: fwd, bwd, fwdbwd)."""
-    flops = 4.0 * batch * num_heads * seqlen_q * seqlen_k * head_dim
+def pair_flops(head_dim, value_head_dim=None, mode="fwd"):
+    """FLOPs per (query, key) pair and query head under the convention above
+    (mode: fwd, bwd, fwdbwd); value_head_dim None: head_dim.
+
+    fwd 2 * (D + Dv), bwd 2 * (3 D + 2 Dv): 4 D and 10 D (2.5x) at Dv == D.
+    """
+    dv = head_dim if value_head_dim is None else value_head_dim
+    fwd = 2 * (head_dim + dv)
+    bwd = 2 * (3 * head_dim + 2 * dv)
+    return {"fwd": fwd, "bwd": bwd, "fwdbwd": fwd + bwd}[mode]
+
+
+def attention_flops(batch, seqlen_q, seqlen_k, num_heads, head_dim, *, causal, mode="fwd",
+                    value_head_dim=None):
+    """FLOPs of one attention call under the convention above (mode: fwd, bwd,
+    fwdbwd); value_head_dim: that of v and out (None: head_dim)."""
+    flops = float(batch * num_heads * seqlen_q * seqlen_k) * pair_flops(head_dim, value_head_dim,
+                                                                        mode)
     if causal:
         flops /= 2
-    return flops * _MODE_FACTOR[mode]
+    return flops
 
 
 def band_pairs(seqlen_q, seqlen_k, lo=None, hi=None):
@@ -62,11 +80,12 @@ def band_pairs(seqlen_q, seqlen_k, lo=None, hi=None):
     return total
 
 
-def band_flops(batch, seqlen_q, seqlen_k, num_heads, head_dim, *, lo=None, hi=None, mode="fwd"):
+def band_flops(batch, seqlen_q, seqlen_k, num_heads, head_dim, *, lo=None, hi=None, mode="fwd",
+               value_head_dim=None):
     """FLOPs of an attention call that computes only the pairs of band_pairs
-    (4 * head_dim per pair and head: the convention above, counted exactly)."""
+    (pair_flops per pair and head: the convention above, counted exactly)."""
     pairs = band_pairs(seqlen_q, seqlen_k, lo, hi)
-    return 4.0 * batch * num_heads * head_dim * pairs * _MODE_FACTOR[mode]
+    return float(batch * num_heads * pairs) * pair_flops(head_dim, value_head_dim, mode)
 
 
 def tflops(flops, seconds):
@@ -110,7 +129,9 @@ def make_loop(attention: Callable, mode: str, iterations: int, feed: str = "sliv
     attention calls.
 
     attention(q, k, v, *operands) -> out, [batch, seq, heads, head_dim] (or any
-    layout of q's rank). operands (sequence lengths, cu_seqlens, ...) are passed
+    layout of q's rank; v's head dim, hence out's and the cotangent's, may
+    differ from q's, except for fwd with feed "out", which needs out shaped
+    as q). operands (sequence lengths, cu_seqlens, ...) are passed
     to every call as they are, as arguments of the jitted program rather than
     constants XLA could fold at compile time. For fwdbwd each
     iteration is the forward plus the gradient of sum(out * cotangent) with respect
@@ -227,14 +248,18 @@ RISING_KEY_SCALE = (0.5, 4.0)
 PEAKED_QUERY_SCALE = 8.0
 
 
-def random_qkv(seed, batch, seqlen, num_heads, head_dim, dtype, data="normal"):
+def random_qkv(seed, batch, seqlen, num_heads, head_dim, dtype, data="normal",
+               value_head_dim=None):
     """q, k, v and a cotangent, [batch, seq, heads, head_dim]: standard normal,
-    then scaled as the data mode says (DATA_MODES above), rounded to dtype last."""
+    then scaled as the data mode says (DATA_MODES above), rounded to dtype last.
+    value_head_dim: the head dim of v and the cotangent (out's), None: head_dim."""
     if data not in DATA_MODES:
         raise ValueError(f"data must be one of {DATA_MODES}, got {data!r}")
     keys = jax.random.split(jax.random.key(seed), 4)
     shape = (batch, seqlen, num_heads, head_dim)
-    q, k, v, cotangent = (jax.random.normal(key, shape, jnp.float32) for key in keys)
+    v_shape = shape if value_head_dim is None else shape[:3] + (value_head_dim,)
+    q, k, v, cotangent = (jax.random.normal(key, s, jnp.float32)
+                          for key, s in zip(keys, (shape, shape, v_shape, v_shape)))
     if data == "rising":
         k = k * jnp.linspace(*RISING_KEY_SCALE, seqlen, dtype=jnp.float32)[None, :, None, None]
     elif data == "peaked":

@@ -46,6 +46,18 @@ is jflash's >= 0.90 at seq 16384, LEFT 4096):
 
   python3 -P benchmarks/gpu_benchmark.py --head-dims 128 --seqs 16384 --causal yes \
       --impls jflash,cudnn --window 4096 --out $OUT/window.json
+
+--value-head-dim DV: v (and out, and the fwd+bwd cotangent) get head dim DV,
+q and k keep the row's head dim D (MLA-style, e.g. D 192, DV 128). FLOPs:
+fwd 2*B*H*S*S*(D + DV), bwd 2*B*H*S*S*(3*D + 2*DV), halved for causal
+(common.attention_flops; 4*B*H*S*S*D and 2.5x at DV == D). Rows record
+value_head_dim (= head_dim without the option); the summary gets a Dv column.
+jax.nn.dot_product_attention checks value's shape against key's (cudnn and
+xla alike), so where it rejects DV != D those rows are 'unavailable' with its
+message:
+
+  python3 -P benchmarks/gpu_benchmark.py --head-dims 192 --value-head-dim 128 \
+      --seqs 4096 16384 --impls jflash,cudnn --out $OUT/mla.json
 """
 
 from __future__ import annotations
@@ -130,20 +142,27 @@ def grid(args):
             yield head_dim, seq, batch, heads
 
 
+def value_head_dim(args, head_dim):
+    """The head dim of v and out in the rows of head dim head_dim."""
+    return head_dim if args.value_head_dim is None else args.value_head_dim
+
+
 def run_one(impl, shape, causal, mode, inputs, args, platform, data="normal"):
     head_dim, seq, batch, heads = shape
-    rec = dict(impl=impl, head_dim=head_dim, seq=seq, batch=batch, heads=heads,
-               kv_heads=heads // args.group, causal=causal, mode=mode, dtype=args.dtype,
-               data=data, feed=args.feed)
+    dv = value_head_dim(args, head_dim)
+    rec = dict(impl=impl, head_dim=head_dim, value_head_dim=dv, seq=seq, batch=batch,
+               heads=heads, kv_heads=heads // args.group, causal=causal, mode=mode,
+               dtype=args.dtype, data=data, feed=args.feed)
     window = None
     if impl in WINDOW_IMPLS:
         window = (args.window, 0)
         rec["window"] = list(window)
         # The band's visible pairs, exactly (query i sees keys i - left .. i).
         flops = common.band_flops(batch, seq, seq, heads, head_dim, lo=-args.window, hi=0,
-                                  mode=mode)
+                                  mode=mode, value_head_dim=dv)
     else:
-        flops = common.attention_flops(batch, seq, seq, heads, head_dim, causal=causal, mode=mode)
+        flops = common.attention_flops(batch, seq, seq, heads, head_dim, causal=causal, mode=mode,
+                                       value_head_dim=dv)
     rec["flops"] = flops
     try:
         if impl == "xla":
@@ -155,6 +174,16 @@ def run_one(impl, shape, causal, mode, inputs, args, platform, data="normal"):
         if softcap is not None:
             rec["softcap"] = softcap
         attention = attention_fn(impl, causal, platform, softcap, window)
+        if dv != head_dim and impl in ("cudnn", "cudnn_window", "xla"):
+            # Whether jax.nn.dot_product_attention takes a value head dim other
+            # than the query's (its shape check, not ours): traced, not run.
+            import jax
+
+            try:
+                jax.eval_shape(attention, *inputs[:3])
+            except (ValueError, NotImplementedError) as exc:
+                raise Unavailable(f"jax.nn.dot_product_attention rejects value head dim {dv} "
+                                  f"!= head dim {head_dim}: {type(exc).__name__}: {exc}") from exc
         if not args.no_check:
             rec["rel_err"] = common.relative_errors(
                 attention, *inputs, causal=causal, mode=mode, softcap=softcap, window=window
@@ -183,18 +212,22 @@ def backward_record(fwd, fwdbwd):
 
     Its time is the difference of the two medians (the loop's forward+backward
     iteration runs the forward once and the backward once); TFLOP/s count
-    2.5x the forward's FLOPs. Derived, not timed on its own: a kernel's
+    the forward's FLOPs times bwd / fwd of common.pair_flops ((3 D + 2 Dv) /
+    (D + Dv): 2.5 at Dv == D). Derived, not timed on its own: a kernel's
     backward needs the residuals of its own forward, and a separately timed
     backward loop would time that forward too.
     """
-    rec = {k: fwd[k] for k in ("impl", "head_dim", "seq", "batch", "heads", "kv_heads", "causal",
-                               "dtype", "data", "window") if k in fwd}
+    rec = {k: fwd[k] for k in ("impl", "head_dim", "value_head_dim", "seq", "batch", "heads",
+                               "kv_heads", "causal", "dtype", "data", "window") if k in fwd}
     rec.update(mode="bwd", derived="fwdbwd median_s - fwd median_s")
+    dv = fwd.get("value_head_dim")
     if "flops" in fwd:  # the forward's, counted as they were (band pairs for a window)
-        rec["flops"] = fwd["flops"] * 2.5
+        rec["flops"] = fwd["flops"] * (common.pair_flops(fwd["head_dim"], dv, "bwd")
+                                       / common.pair_flops(fwd["head_dim"], dv, "fwd"))
     else:
         rec["flops"] = common.attention_flops(fwd["batch"], fwd["seq"], fwd["seq"], fwd["heads"],
-                                              fwd["head_dim"], causal=fwd["causal"], mode="bwd")
+                                              fwd["head_dim"], causal=fwd["causal"], mode="bwd",
+                                              value_head_dim=dv)
     if fwd.get("status") == fwdbwd.get("status") == "ok":
         rec["median_s"] = fwdbwd["median_s"] - fwd["median_s"]
         rec["tflops"] = common.tflops(rec["flops"], rec["median_s"])
@@ -205,16 +238,23 @@ def backward_record(fwd, fwdbwd):
     return rec
 
 
-def summary_table(records):
-    """One line per (head_dim, seq, data, causal, mode): TFLOP/s of each impl,
-    jflash/cuDNN."""
+def summary_table(records, show_dv=None):
+    """One line per (head_dim, value_head_dim, seq, data, causal, mode): TFLOP/s
+    of each impl, jflash/cuDNN. show_dv: a Dv column after D (None: where a
+    record's value head dim differs from its head dim)."""
+    def dv_of(r):  # records written before --value-head-dim have none
+        return r.get("value_head_dim", r["head_dim"])
+
+    if show_dv is None:
+        show_dv = any(dv_of(r) != r["head_dim"] for r in records)
     rows = {}
     for r in records:
-        key = (r["head_dim"], r["seq"], r.get("data", "normal"), r["causal"], r["mode"])
+        key = (r["head_dim"], dv_of(r), r["seq"], r.get("data", "normal"), r["causal"], r["mode"])
         rows.setdefault(key, {"batch": r["batch"], "heads": r["heads"]})[r["impl"]] = r
     table, notes = [], {}  # note text -> rows it applies to
     variants = [v for v in VARIANTS if any(r["impl"] == v[0] for r in records)]
-    for (head_dim, seq, data, causal, mode), cell in rows.items():
+    for (head_dim, dv, seq, data, causal, mode), cell in rows.items():
+        dims = f"D{head_dim} Dv{dv}" if show_dv else f"D{head_dim}"
         def tf(impl):
             r = cell.get(impl)
             if r is None:
@@ -222,7 +262,7 @@ def summary_table(records):
             if r["status"] != "ok":
                 text = f"{impl} {r['status']}: {r.get('note', '')[:200]}"
                 notes.setdefault(text, []).append(
-                    f"D{head_dim} S{seq} {data} {'causal' if causal else 'full'} {mode}")
+                    f"{dims} S{seq} {data} {'causal' if causal else 'full'} {mode}")
                 return {"error": "ERR", "unavailable": "n/a", "not run": "not run"}.get(r["status"], "?")
             return common.fmt_rate(r["tflops"])
         j, c = cell.get("jflash"), cell.get("cudnn")
@@ -233,7 +273,8 @@ def summary_table(records):
             errors = (cell.get(impl) or {}).get("rel_err")
             return f"{max(errors.values()):.1e}" if errors else None
 
-        row = [head_dim, seq, cell["batch"], cell["heads"], data, "yes" if causal else "no", mode,
+        row = [head_dim, *([dv] if show_dv else []), seq, cell["batch"], cell["heads"], data,
+               "yes" if causal else "no", mode,
                tf("jflash"), tf("cudnn"), tf("xla"), ratio, err("jflash"), err("cudnn")]
         for impl, _, _ in variants:
             d, base = cell.get(impl), cell.get(_BASE.get(impl, "jflash"))
@@ -243,12 +284,12 @@ def summary_table(records):
                 if impl in WINDOW_IMPLS:  # against the causal rate on exact pairs too
                     base_rate = common.tflops(common.band_flops(
                         base["batch"], seq, seq, base["heads"], head_dim, hi=0,
-                        mode=mode), base["median_s"])
+                        mode=mode, value_head_dim=dv), base["median_s"])
                 variant_ratio = f"{d['tflops'] / base_rate:.2f}"
             row += [tf(impl), variant_ratio]
         table.append(row)
-    headers = ["D", "seq", "B", "H", "data", "causal", "mode", "jflash", "cudnn", "xla",
-               "jflash/cudnn", "jflash err", "cudnn err"]
+    headers = ["D", *(["Dv"] if show_dv else []), "seq", "B", "H", "data", "causal", "mode",
+               "jflash", "cudnn", "xla", "jflash/cudnn", "jflash err", "cudnn err"]
     for _, column, ratio_column in variants:
         headers += [column, ratio_column]
     lines = []
@@ -277,6 +318,9 @@ def main(argv=None):
                         help="what q, k, v hold (common.DATA_MODES); one set of rows per mode")
     parser.add_argument("--softcap", type=float, default=50.0,
                         help="the softcap of the jflash_softcap rows")
+    parser.add_argument("--value-head-dim", type=int, default=None, metavar="DV",
+                        help="head dim of v (and out) where it differs from q's and k's "
+                             "(MLA-style); default: the row's head dim")
     parser.add_argument("--window", type=int, default=None, metavar="LEFT",
                         help="add jflash_window and cudnn_window to the causal rows: a causal "
                              "sliding window of LEFT keys before each query")
@@ -309,6 +353,13 @@ def main(argv=None):
         impls += [i for i in WINDOW_IMPLS if i not in impls]
     elif set(impls) & set(WINDOW_IMPLS):
         parser.error("jflash_window and cudnn_window need --window LEFT")
+    if args.value_head_dim is not None:
+        if args.value_head_dim < 1:
+            parser.error("--value-head-dim DV takes DV >= 1")
+        if (args.feed == "out" and "fwd" in modes
+                and any(d != args.value_head_dim for d in args.head_dims)):
+            parser.error("--feed out with --modes fwd feeds out (head dim DV) back as q: "
+                         "use --feed sliver with --value-head-dim")
     args.data = list(dict.fromkeys(args.data))
     if args.feed == "out" and "peaked" in args.data:
         parser.error("--data peaked needs --feed sliver: --feed out replaces q (where the data "
@@ -324,18 +375,23 @@ def main(argv=None):
     out = args.out or common.default_results_path("gpu", env["device_kind"])
     print(f"{env['device_kind']}, jax {env['jax_version']}, jflash {env['jflash_commit']}, "
           f"jflash CUDA kernels: {env['jflash_has_cuda_kernels']}; results -> {out}", flush=True)
+    flop_convention = "fwd 4*B*H*Sq*Sk*D, /2 causal; bwd 2.5x fwd; fwdbwd 3.5x fwd"
+    if args.value_head_dim is not None:
+        flop_convention = ("fwd 2*B*H*Sq*Sk*(D+Dv), bwd 2*B*H*Sq*Sk*(3*D+2*Dv), /2 causal; "
+                           "fwdbwd fwd+bwd")
     payload = dict(benchmark="gpu", environment=env,
                    args={k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-                   flop_convention="fwd 4*B*H*Sq*Sk*D, /2 causal; bwd 2.5x fwd; fwdbwd 3.5x fwd",
-                   records=[])
+                   flop_convention=flop_convention, records=[])
     records = payload["records"]
     for shape, data in ((shape, data) for shape in grid(args) for data in args.data):
         head_dim, seq, batch, heads = shape
+        dv = value_head_dim(args, head_dim)
+        dims = f"D{head_dim}" if args.value_head_dim is None else f"D{head_dim} Dv{dv}"
         out_of_time = args.time_budget_s and time.perf_counter() - started > args.time_budget_s
         inputs = None
         if not out_of_time:
             inputs = common.random_qkv(seq + head_dim, batch, seq, heads, head_dim, args.dtype,
-                                       data=data)
+                                       data=data, value_head_dim=args.value_head_dim)
             if args.group > 1:  # key and value keep their first heads // group heads
                 q, k, v, cotangent = inputs
                 inputs = (q, k[:, :, : heads // args.group], v[:, :, : heads // args.group], cotangent)
@@ -347,7 +403,8 @@ def main(argv=None):
                     out_of_time = args.time_budget_s and (
                         time.perf_counter() - started > args.time_budget_s)
                     if out_of_time or inputs is None:
-                        rec = dict(impl=impl, head_dim=head_dim, seq=seq, batch=batch, heads=heads,
+                        rec = dict(impl=impl, head_dim=head_dim, value_head_dim=dv, seq=seq,
+                                   batch=batch, heads=heads,
                                    kv_heads=heads // args.group, causal=causal, mode=mode,
                                    dtype=args.dtype, data=data,
                                    status="not run", note="--time-budget-s reached")
@@ -358,7 +415,7 @@ def main(argv=None):
                     what = (f"{common.fmt_rate(rec['tflops']):>7s} TFLOP/s  "
                             f"{rec['median_s'] * 1e3:8.3f} ms  x{rec['iterations']}"
                             if rec["status"] == "ok" else f"{rec['status']}: {rec.get('note', '')[:120]}")
-                    print(f"[{time.perf_counter() - started:6.1f}s] D{head_dim} S{seq} B{batch} H{heads} "
+                    print(f"[{time.perf_counter() - started:6.1f}s] {dims} S{seq} B{batch} H{heads} "
                           f"{data:7s}{'causal' if causal else 'full  '} {mode:6s} {impl:6s} {what}",
                           flush=True)
             if "fwd" in modes and "fwdbwd" in modes:
@@ -369,13 +426,17 @@ def main(argv=None):
                 common.write_json(out, payload)
         del inputs
 
-    table, notes = summary_table(records)
+    table, notes = summary_table(records, show_dv=args.value_head_dim is not None)
     print(f"\nresults: {out}")
     if notes:
         print("notes:\n  " + "\n  ".join(notes))
     group = f" | GQA: {args.group} query heads per kv head" if args.group > 1 else ""
+    flop_text = "fwd 4BHS^2D, causal /2, fwd+bwd 3.5x"
+    if args.value_head_dim is not None:
+        group += f" | value head dim {args.value_head_dim}"
+        flop_text = "fwd 2BHS^2(D+Dv), bwd 2BHS^2(3D+2Dv), causal /2"
     print(f"{env['device_kind']} | jax {env['jax_version']} | jflash {env['jflash_commit'][:12]} | "
-          f"{args.dtype}{group} | TFLOP/s (fwd 4BHS^2D, causal /2, fwd+bwd 3.5x) | feed {args.feed}")
+          f"{args.dtype}{group} | TFLOP/s ({flop_text}) | feed {args.feed}")
     print(table)
 
 

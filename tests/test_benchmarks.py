@@ -164,3 +164,99 @@ def test_gpu_benchmark_window(tmp_path):
     lines = [line.split() for line in stdout[stdout.index(" D  seq"):].split("\n")[2:] if line]
     causal_fwd = next(c for c in lines if c[5] == "yes" and c[6] == "fwd")
     assert float(causal_fwd[-4]) > 0 and float(causal_fwd[-3]) > 0  # jflash window, window/causal
+
+
+def _common():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import common
+    finally:
+        sys.path.pop(0)
+    return common
+
+
+def test_flops_with_value_head_dim():
+    common = _common()
+    # Dv == D (or None): the old convention exactly, 4 B H Sq Sk D and 2.5x / 3.5x of it
+    for b, sq, sk, h, d in ((1, 128, 128, 2, 32), (3, 1000, 777, 5, 72),
+                            (1, 16384, 16384, 16, 256)):
+        for causal in (False, True):
+            fwd = 4.0 * b * h * sq * sk * d / (2 if causal else 1)
+            for dv in (None, d):
+                for mode, factor in (("fwd", 1.0), ("bwd", 2.5), ("fwdbwd", 3.5)):
+                    got = common.attention_flops(b, sq, sk, h, d, causal=causal, mode=mode,
+                                                 value_head_dim=dv)
+                    assert got == fwd * factor, (b, sq, sk, h, d, causal, dv, mode)
+    # D 192, Dv 128 by hand: fwd QK^T 2*192 + PV 2*128 = 640 FLOPs per pair and head;
+    # bwd QK^T, dQ, dK 3 * 2*192 + dP, dV 2 * 2*128 = 1664
+    pairs = 2 * 16 * 4096 * 4096  # B 2, H 16, S 4096
+    assert common.attention_flops(2, 4096, 4096, 16, 192, causal=False, value_head_dim=128) \
+        == pairs * 640
+    assert common.attention_flops(2, 4096, 4096, 16, 192, causal=False, mode="bwd",
+                                  value_head_dim=128) == pairs * 1664
+    assert common.attention_flops(2, 4096, 4096, 16, 192, causal=True, mode="fwdbwd",
+                                  value_head_dim=128) == pairs * (640 + 1664) / 2
+    # the band: the same per pair, on the exact pair count
+    pairs = common.band_pairs(128, 128, -16, 0)
+    assert common.band_flops(1, 128, 128, 2, 48, lo=-16, hi=0, mode="bwd", value_head_dim=32) \
+        == 2 * pairs * 2 * (3 * 48 + 2 * 32)
+    assert common.band_flops(1, 128, 128, 2, 48, lo=-16, hi=0, mode="fwdbwd") \
+        == 4 * 2 * 48 * pairs * 3.5
+
+
+def test_random_qkv_value_head_dim():
+    common = _common()
+    import numpy as np
+
+    q, k, v, cotangent = common.random_qkv(5, 2, 64, 3, 48, "float32", value_head_dim=16)
+    assert q.shape == k.shape == (2, 64, 3, 48) and v.shape == cotangent.shape == (2, 64, 3, 16)
+    same = common.random_qkv(5, 2, 64, 3, 48, "float32")
+    np.testing.assert_array_equal(q, same[0])
+    np.testing.assert_array_equal(k, same[1])
+    assert float(np.std(v)) == pytest.approx(1.0, abs=0.1)
+
+
+def test_gpu_benchmark_value_head_dim(tmp_path):
+    out = tmp_path / "mla.json"
+    stdout = _run("gpu_benchmark.py", "--allow-cpu", "--head-dims", 48, "--value-head-dim", 32,
+                  "--seqs", 128, "--tokens", 256, "--model-dim", 96, "--causal", "both",
+                  "--impls", "jflash,cudnn,xla", "--target-ms", 1, "--repeats", 1,
+                  "--min-total-s", 0, "--out", out)
+    payload = json.loads(out.read_text())
+    records = payload["records"]
+    assert payload["args"]["value_head_dim"] == 32
+    # 2 causal x 3 impls x (fwd, fwdbwd, derived bwd)
+    assert len(records) == 18
+    assert all(r["head_dim"] == 48 and r["value_head_dim"] == 32 for r in records)
+    pairs = {False: 2 * 2 * 128 * 128, True: 2 * 2 * 128 * 128 / 2}  # B 2, H 2
+    per_pair = {"fwd": 2 * (48 + 32), "bwd": 2 * (3 * 48 + 2 * 32)}
+    per_pair["fwdbwd"] = per_pair["fwd"] + per_pair["bwd"]
+    for r in records:
+        assert r["flops"] == pairs[r["causal"]] * per_pair[r["mode"]], r
+    jflash = [r for r in records if r["impl"] == "jflash"]
+    assert len(jflash) == 6 and all(r["status"] == "ok" for r in jflash), jflash
+    for r in jflash:
+        assert r["tflops"] > 0 and r["median_s"] > 0
+        assert r["tflops"] == pytest.approx(r["flops"] / r["median_s"] / 1e12)
+        if r["mode"] != "bwd":
+            # out [.., 32] (and dq, dk, dv) against the float32 reference: a wrong
+            # shape would not compare, a wrong Dv slice would be far off
+            assert set(r["rel_err"]) == ({"out"} if r["mode"] == "fwd"
+                                         else {"out", "dq", "dk", "dv"})
+            assert max(r["rel_err"].values()) < 2e-2
+    xla = [r for r in records if r["impl"] == "xla" and r["mode"] != "bwd"]
+    assert all(r["status"] == "unavailable" and "rejects value head dim 32" in r["note"]
+               for r in xla), xla
+    table = stdout[stdout.index(" D  Dv"):].split("\n")
+    assert table[0].split()[:3] == ["D", "Dv", "seq"]
+    rows = [line.split() for line in table[2:] if line]
+    assert len(rows) == 6 and all(row[:2] == ["48", "32"] for row in rows)
+    assert "value head dim 32" in stdout and "2BHS^2(D+Dv)" in stdout
+
+
+def test_gpu_benchmark_value_head_dim_with_feed_out_fwd_is_refused():
+    result = subprocess.run([sys.executable, "-P", str(BENCHMARKS / "gpu_benchmark.py"),
+                             "--allow-cpu", "--head-dims", "48", "--value-head-dim", "32",
+                             "--feed", "out", "--modes", "fwd"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2 and "--feed out" in result.stderr
