@@ -118,6 +118,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// log2(x) with the single MUFU instruction (log2(0) = -inf).
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // tanh(x) with the single MUFU instruction (relative error about 2^-11;
 // tanh(+-inf) = +-1, NaN stays NaN): the softcap kernels' cap (jflash/score.h),
 // one more MUFU per score beside exp2's. The float32 products feed it, and its

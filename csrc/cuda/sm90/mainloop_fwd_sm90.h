@@ -215,13 +215,11 @@ struct FwdMainloopSm90 {
   const int lane;
   const int warp_in_group;
   bool redo = false;  // this warp's verdict on the last key tile
-  // Set for the rest of a unit once its warpgroup computed a key tile again:
-  // from then on each tile is folded with fresh maxima (fold_max) straight
-  // away. Data whose row maxima keep rising (keys whose norms grow along the
-  // sequence) or jump (sharply peaked scores) would otherwise pay a second
-  // Q K^T on many tiles; data that never redoes never sets it. Warpgroup-
-  // uniform: set from the warpgroup's verdict, so that at most one tile per
-  // unit and consumer is computed twice.
+  // Set for the rest of a unit once its warpgroup computed a key tile again
+  // (a term of exp_stale overflowed): from then on each tile is folded with
+  // fresh maxima (fold_max) straight away, so that at most one tile per unit
+  // and consumer pays a second Q K^T (a row holding NaN would otherwise redo
+  // every tile). Warpgroup-uniform: set from the warpgroup's verdict.
   bool fresh_max = false;
   int kv_iter = 0;    // K/V tiles consumed so far: position in the ring
   int q_iter = 0;     // Q tiles consumed so far
@@ -346,6 +344,21 @@ struct FwdMainloopSm90 {
     release_qk_operands(k_stage, last_q_k);
   }
 
+  // Takes exp_stale's tile into the running softmax: against the maxima as
+  // they stand, or where raise (some row's bound failed, no term overflowed)
+  // against maxima raised from its terms. After the vote (banded kernels),
+  // so that the new maxima are not held across it.
+  __device__ __forceinline__ void commit_stale(Softmax& softmax, float (&tile_sum)[kRows], bool raise,
+                                               float (&correction)[kRows]) {
+    float m_new[kRows];
+    softmax.keep_max(m_new, correction);
+    if (raise) {
+      auto s = s_rc();
+      softmax.raise_stale(s, tile_sum, m_new, correction);
+    }
+    softmax.commit_max(m_new, tile_sum, correction);
+  }
+
   // The key tiles of one tile of query rows, into acc_o (the P V products'
   // accumulator) and softmax, both reset here.
   template <typename AccO>
@@ -411,25 +424,32 @@ struct FwdMainloopSm90 {
         warpgroup_wait<0>();
       } else {
         // The softmax first exponentiates S_i against the running max
-        // (exp_stale), where every row of the warp has one. A warp that
-        // finds a row whose max the tile raises too far folds the tile
-        // again with fresh maxima, from S_i computed again (exp_stale
+        // (exp_stale), where every row of the warp has one. Where a row's
+        // max rose too far, the warp raises it from those exponentials
+        // (raise_stale). Only where a term overflowed (a max that rose by
+        // more than float32's exponent range, or NaN) does the warp fold the
+        // tile again with fresh maxima, from S_i computed again (exp_stale
         // overwrote it); as wgmma is warpgroup-wide, so is that product, and
         // K_i (and Q) stay in shared memory until it is settled.
         const bool needs_mask = mask_scores(n_block);
         const bool stale = !fresh_max && softmax.has_finite_max();
         float tile_sum[kRows];
         auto s = s_rc();
-        const bool over = stale && !softmax.exp_stale(s, needs_mask, tile_sum);
+        bool raise = false;  // warp-uniform: some row's bound failed
+        bool over = false;   // warp-uniform: and some term overflowed
+        if (stale) {
+          raise = __any_sync(0xffffffff, !softmax.exp_stale(s, needs_mask, tile_sum));
+          if (raise) over = !Softmax::terms_finite(tile_sum);
+        }
         if constexpr (kSettleAtTurn) {
           // Settled at the next turn (settle): the warps publish
           // their verdict through shared memory, and the turn's barrier,
           // which they pass anyway, makes it visible to all.
-          redo = __any_sync(0xffffffff, over);
-          if (stale) {
-            softmax.keep_max(tile_sum, /*add=*/!redo, correction);
-          } else {
+          redo = over;
+          if (!stale) {
             softmax.fold_max(s, needs_mask, correction);  // rows with no visible key yet
+          } else if (!redo) {
+            commit_stale(softmax, tile_sum, raise, correction);
           }
           publish_redo(i);
           softmax.pin_below();
@@ -449,7 +469,7 @@ struct FwdMainloopSm90 {
           if (redo_any || !stale) {
             softmax.fold_max(s, needs_mask, correction);  // also rows with no visible key yet
           } else {
-            softmax.keep_max(tile_sum, /*add=*/true, correction);
+            commit_stale(softmax, tile_sum, raise, correction);
           }
           release_qk_operands(slot.stage, i == n_tiles - 1);
         }
