@@ -208,19 +208,15 @@ struct FwdMainloopSm90 {
   const bool warp_leader;
   ScoreMask mask;
   // kStaleMax with ping-pong: each warp's verdict on its softmax of a key tile
-  // (redo: some row's max rose too far), published in shared memory and read
-  // by the whole warpgroup after the next turn's barrier. The accesses are
-  // asm volatile so that the compiler keeps them on their side of that
-  // barrier (also asm volatile, without a memory clobber).
+  // (kVerdictRaise: some row's max rose too far; kVerdictRecompute: and some
+  // term overflowed), published in shared memory and read by the whole
+  // warpgroup after the next turn's barrier. The accesses are asm volatile so
+  // that the compiler keeps them on their side of that barrier (also asm
+  // volatile, without a memory clobber).
+  static constexpr uint32_t kVerdictRaise = 1, kVerdictRecompute = 2;
   const int lane;
   const int warp_in_group;
-  bool redo = false;  // this warp's verdict on the last key tile
-  // Set for the rest of a unit once its warpgroup computed a key tile again
-  // (a term of exp_stale overflowed): from then on each tile is folded with
-  // fresh maxima (fold_max) straight away, so that at most one tile per unit
-  // and consumer pays a second Q K^T (a row holding NaN would otherwise redo
-  // every tile). Warpgroup-uniform: set from the warpgroup's verdict.
-  bool fresh_max = false;
+  bool redo = false;  // this warp's last key tile is not yet folded (its bound failed)
   int kv_iter = 0;    // K/V tiles consumed so far: position in the ring
   int q_iter = 0;     // Q tiles consumed so far
 
@@ -306,57 +302,53 @@ struct FwdMainloopSm90 {
     }
   }
 
-  __device__ __forceinline__ void publish_redo(int step) const {
+  __device__ __forceinline__ void publish_verdict(int step, uint32_t verdict) const {
     if (lane == 0) {
       asm volatile("st.shared.u8 [%0], %1;" ::"r"(cast_smem_ptr_to_uint(
                        &smem.redo[step & 1][consumer][warp_in_group])),
-                   "r"(static_cast<uint32_t>(redo)));
+                   "r"(verdict));
     }
   }
-  __device__ __forceinline__ bool any_redo(int step) const {
-    uint32_t verdicts;
+  // The warpgroup's four verdicts on key tile `step`, one byte each.
+  __device__ __forceinline__ uint32_t verdicts(int step) const {
+    uint32_t v;
     asm volatile("ld.shared.u32 %0, [%1];"
-                 : "=r"(verdicts)
+                 : "=r"(v)
                  : "r"(cast_smem_ptr_to_uint(&smem.redo[step & 1][consumer][0])));
-    return verdicts != 0;
+    return v;
   }
   // Settles key tile j (>= 1) of the current unit right after this
-  // consumer's next turn began: where some warp's verdict was redo, the
-  // warpgroup computes S_j again and those warps fold it with fresh maxima,
-  // rescale O (which holds the products up to P_{j-1} V_{j-1}) and convert
-  // P_j again. Then K_j (and after the unit's last Q K^T, Q) leaves shared
-  // memory.
+  // consumer's next turn began, before anything overwrites acc_s, which still
+  // holds the tile's exponentials. Where some warp's bound failed, those
+  // warps raise their maxima from them (raise_max); only where some term of
+  // the warpgroup overflowed does it compute S_j again, and the warps whose
+  // bound failed fold it with fresh maxima. Either way they rescale O (which
+  // holds the products up to P_{j-1} V_{j-1}) and convert P_j again. Then K_j
+  // (and after the unit's last Q K^T, Q) leaves shared memory.
   template <typename OutRowCol>
   __device__ __forceinline__ void settle(Softmax& softmax, OutRowCol& o_rc, int j, int n_block,
                                          int k_stage, bool last_q_k) {
-    if (any_redo(j)) {
-      fresh_max = true;
-      recompute_s(k_stage);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_s);
+    const uint32_t v = verdicts(j);
+    if (v != 0) {
+      const bool recompute = (v & kVerdictRecompute * 0x01010101u) != 0;
+      if (recompute) {
+        recompute_s(k_stage);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_s);
+      }
       if (redo) {
         float correction[kRows];
-        softmax_step(softmax, n_block, correction);
+        if (recompute) {
+          softmax_step(softmax, n_block, correction);
+        } else {
+          auto s = s_rc();
+          softmax.raise_max(s, correction);
+        }
         Softmax::rescale_o(o_rc, correction);
         Softmax::convert_p(acc_s, tOrP);
       }
     }
     release_qk_operands(k_stage, last_q_k);
-  }
-
-  // Takes exp_stale's tile into the running softmax: against the maxima as
-  // they stand, or where raise (some row's bound failed, no term overflowed)
-  // against maxima raised from its terms. After the vote (banded kernels),
-  // so that the new maxima are not held across it.
-  __device__ __forceinline__ void commit_stale(Softmax& softmax, float (&tile_sum)[kRows], bool raise,
-                                               float (&correction)[kRows]) {
-    float m_new[kRows];
-    softmax.keep_max(m_new, correction);
-    if (raise) {
-      auto s = s_rc();
-      softmax.raise_stale(s, tile_sum, m_new, correction);
-    }
-    softmax.commit_max(m_new, tile_sum, correction);
   }
 
   // The key tiles of one tile of query rows, into acc_o (the P V products'
@@ -369,7 +361,6 @@ struct FwdMainloopSm90 {
     mask.set_rows(tile.row_begin, tile.batch, cS_rc());
     softmax.reset();
     clear(acc_o);
-    fresh_max = false;
     if (n_tiles <= 0) return;
     if constexpr (Traits::kPingPong) {
       if (consumer == 1) Barriers::arrive(kPairThreads, Barriers::kTurn);
@@ -426,50 +417,50 @@ struct FwdMainloopSm90 {
         // The softmax first exponentiates S_i against the running max
         // (exp_stale), where every row of the warp has one. Where a row's
         // max rose too far, the warp raises it from those exponentials
-        // (raise_stale). Only where a term overflowed (a max that rose by
-        // more than float32's exponent range, or NaN) does the warp fold the
-        // tile again with fresh maxima, from S_i computed again (exp_stale
-        // overwrote it); as wgmma is warpgroup-wide, so is that product, and
-        // K_i (and Q) stay in shared memory until it is settled.
+        // (raise_max). Only where a term overflowed (a max that rose past
+        // float32's exponent range, or NaN) is S_i computed again (exp_stale
+        // overwrote it) and folded with fresh maxima; as wgmma is
+        // warpgroup-wide, so is that product, and K_i (and Q) stay in shared
+        // memory until the tile is settled.
         const bool needs_mask = mask_scores(n_block);
-        const bool stale = !fresh_max && softmax.has_finite_max();
+        const bool stale = softmax.has_finite_max();
         float tile_sum[kRows];
         auto s = s_rc();
-        bool raise = false;  // warp-uniform: some row's bound failed
-        bool over = false;   // warp-uniform: and some term overflowed
-        if (stale) {
-          raise = __any_sync(0xffffffff, !softmax.exp_stale(s, needs_mask, tile_sum));
-          if (raise) over = !Softmax::terms_finite(tile_sum);
-        }
+        const bool over = stale && !softmax.exp_stale(s, needs_mask, tile_sum);
+        const bool overflow = over && !Softmax::sums_finite(tile_sum);
         if constexpr (kSettleAtTurn) {
           // Settled at the next turn (settle): the warps publish
           // their verdict through shared memory, and the turn's barrier,
           // which they pass anyway, makes it visible to all.
-          redo = over;
-          if (!stale) {
+          redo = __any_sync(0xffffffff, over);
+          const bool recompute = __any_sync(0xffffffff, overflow);
+          if (stale) {
+            softmax.keep_max(tile_sum, /*add=*/!redo, correction);
+          } else {
             softmax.fold_max(s, needs_mask, correction);  // rows with no visible key yet
-          } else if (!redo) {
-            commit_stale(softmax, tile_sum, raise, correction);
           }
-          publish_redo(i);
+          publish_verdict(i, recompute ? kVerdictRecompute : redo ? kVerdictRaise : 0u);
           softmax.pin_below();
           warpgroup_wait<0>();
         } else {
           // No turns to piggyback on: a vote of the warpgroup's threads.
-          const bool redo_any = Barriers::vote_any(over, consumer);
+          const bool recompute = Barriers::vote_any(overflow, consumer);
           // Both paths leave no product in flight (C7515, docs/cuda_kernels.md, Compiler pitfalls).
           warpgroup_wait<0>();
-          if (redo_any) {
-            fresh_max = true;
+          if (recompute) {
             recompute_s(slot.stage);
             warpgroup_wait<0>();
             warpgroup_fence_operand(acc_s);
             mask_scores(n_block);
           }
-          if (redo_any || !stale) {
+          if (recompute || !stale) {
             softmax.fold_max(s, needs_mask, correction);  // also rows with no visible key yet
+          } else if (__any_sync(0xffffffff, !Softmax::within_bound(tile_sum))) {
+            // (the bound tested again from the sums, live here anyway, rather
+            // than `over` held across the vote: fewer registers there)
+            softmax.raise_max(s, correction);
           } else {
-            commit_stale(softmax, tile_sum, raise, correction);
+            softmax.keep_max(tile_sum, /*add=*/true, correction);
           }
           release_qk_operands(slot.stage, i == n_tiles - 1);
         }

@@ -119,7 +119,7 @@ struct SoftmaxSm90 {
   // each row in tile_sum, and returns whether all of them are at most
   // kRescaleBound (false for NaN), which implies that bound for every term;
   // where that fails, the caller raises the maxima from these terms
-  // (raise_stale), or where a term overflowed, computes the tile again with
+  // (raise_max), or where a term overflowed, computes the tile again with
   // fold_max. Needs a finite running max in every row (has_finite_max).
   template <typename ScoresRowCol>
   __device__ __forceinline__ bool exp_stale(ScoresRowCol& s_rc, bool needs_mask,
@@ -132,12 +132,16 @@ struct SoftmaxSm90 {
         s_rc(r, c) = fast_exp2(fmaf(s_rc(r, c), s_scale, -row_max[r]));
       }
     }
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) tile_sum[r] = row_reduce(s_rc, r, SumOp{});
+    return within_bound(tile_sum);
+  }
+
+  // exp_stale's verdict from its tile sums.
+  __device__ __forceinline__ static bool within_bound(const float (&tile_sum)[kRows]) {
     bool within = true;
     CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      tile_sum[r] = row_reduce(s_rc, r, SumOp{});
-      within &= tile_sum[r] <= kRescaleBound;
-    }
+    for (int r = 0; r < kRows; ++r) within &= tile_sum[r] <= kRescaleBound;
     return within;
   }
 
@@ -150,68 +154,58 @@ struct SoftmaxSm90 {
     return __all_sync(0xffffffff, finite_max);
   }
 
-  // Before exp_stale's tile is committed: each row keeps its max, and O
-  // needs no correction (what raise_stale may then change).
-  __device__ __forceinline__ void keep_max(float (&m_new)[kRows], float (&correction)[kRows]) const {
+  // Takes exp_stale's tile as it is: the max stays, O needs no correction,
+  // and (where add) the tile's sums join the running ones.
+  __device__ __forceinline__ void keep_max(const float (&tile_sum)[kRows], bool add,
+                                           float (&correction)[kRows]) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      m_new[r] = row_max[r];
+      if (add) row_sum[r] += tile_sum[r];
       correction[r] = 1.f;
     }
   }
 
-  // Whether every term of exp_stale's tile is finite in every row of the
-  // warp (warp-uniform; its tile sums are finite: no term overflowed, no NaN),
-  // as raise_stale needs.
-  __device__ __forceinline__ static bool terms_finite(const float (&tile_sum)[kRows]) {
+  // Whether this thread's tile sums are finite: no term of exp_stale's tile
+  // overflowed and none is NaN (false for inf and NaN), as raise_max needs.
+  __device__ __forceinline__ static bool sums_finite(const float (&tile_sum)[kRows]) {
     bool finite = true;
     CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) finite &= tile_sum[r] <= 3.402823466e38f;  // false for inf, NaN
-    return __all_sync(0xffffffff, finite);
+    for (int r = 0; r < kRows; ++r) finite &= tile_sum[r] <= 3.402823466e38f;
+    return finite;
   }
 
-  // Where exp_stale's bound failed in some row of the warp and its terms are
-  // finite (terms_finite): raises the rows' maxima from the exponentials
-  // themselves, without S. A finite term exp2(x - m) gives the tile's max as
-  // m + log2(largest term), and the tile against a new max m' is each term
-  // times exp2(m - m'): what fold_max would compute from S again, up to the
-  // rounding of that multiply. Every row whose largest term exceeds 1 moves
-  // to the tile's max (not only those past the slack: a tile whose sum, not
-  // its max, failed the bound would otherwise fail again on the next tile of
-  // the same data). Leaves the new maxima in m_new and O's factors in
-  // correction (keep_max's values for rows that stay), and scales the tile's
-  // terms and sums; commit_max takes them into the running state.
+  // Where exp_stale's bound failed in some row of the warp and every term is
+  // finite (sums_finite in all of the warp's threads): folds the tile with
+  // raised maxima from the exponentials themselves, without S. A finite term
+  // exp2(x - m) gives the tile's max as m + log2(largest term), and the tile
+  // against a new max m' is each term times exp2(m - m'): what fold_max
+  // would compute from S again, up to the rounding of that multiply. Every
+  // row whose largest term exceeds 1 moves to the tile's max (not only those
+  // past the slack: a tile whose sum, not its max, failed the bound would
+  // otherwise fail again on the next tile of the same data). Scales the terms
+  // in s_rc, takes the tile's sums (this thread's terms; tile_sum where the
+  // caller has them) into the running ones, and leaves O's factors in
+  // correction. Called by the whole warp (quad shuffles); the rare path, so
+  // written for few registers (head dim 64's 128 per thread leave little).
   template <typename ScoresRowCol>
-  __device__ __forceinline__ void raise_stale(ScoresRowCol& s_rc, float (&tile_sum)[kRows],
-                                              float (&m_new)[kRows], float (&correction)[kRows]) const {
+  __device__ __forceinline__ void raise_max(ScoresRowCol& s_rc, float (&correction)[kRows]) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      // One serial chain (not row_reduce's four): the rare path, kept to few
-      // registers (head dim 64's 128 per thread leave little room).
       float p_max = s_rc(r, 0);
       CUTE_UNROLL
       for (int c = 1; c < kCols; ++c) p_max = fmaxf(p_max, s_rc(r, c));
       p_max = quad_allreduce(p_max, MaxOp{});
       const bool raise = p_max > 1.f;
-      m_new[r] = raise ? row_max[r] + fast_log2(p_max) : row_max[r];
-      correction[r] = raise ? fast_exp2(row_max[r] - m_new[r]) : 1.f;
-    }
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
+      const float m = raise ? row_max[r] + fast_log2(p_max) : row_max[r];
+      correction[r] = raise ? fast_exp2(row_max[r] - m) : 1.f;
+      row_max[r] = m;
+      float sum = 0.f;
       CUTE_UNROLL
-      for (int c = 0; c < kCols; ++c) s_rc(r, c) *= correction[r];
-      tile_sum[r] *= correction[r];
-    }
-  }
-
-  // Takes exp_stale's tile (raised or not) into the running max and sum;
-  // correction (from keep_max / raise_stale) is O's factor.
-  __device__ __forceinline__ void commit_max(const float (&m_new)[kRows], const float (&tile_sum)[kRows],
-                                             const float (&correction)[kRows]) {
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      row_sum[r] = row_sum[r] * correction[r] + tile_sum[r];
-      row_max[r] = m_new[r];
+      for (int c = 0; c < kCols; ++c) {
+        s_rc(r, c) *= correction[r];
+        sum += s_rc(r, c);
+      }
+      row_sum[r] = row_sum[r] * correction[r] + sum;
     }
   }
 
