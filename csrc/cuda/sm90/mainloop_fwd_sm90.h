@@ -208,15 +208,13 @@ struct FwdMainloopSm90 {
   const bool warp_leader;
   ScoreMask mask;
   // kStaleMax with ping-pong: each warp's verdict on its softmax of a key tile
-  // (kVerdictRaise: some row's max rose too far; kVerdictRecompute: and some
-  // term overflowed), published in shared memory and read by the whole
-  // warpgroup after the next turn's barrier. The accesses are asm volatile so
-  // that the compiler keeps them on their side of that barrier (also asm
-  // volatile, without a memory clobber).
-  static constexpr uint32_t kVerdictRaise = 1, kVerdictRecompute = 2;
+  // (redo: a term overflowed, S must be computed again), published in shared
+  // memory and read by the whole warpgroup after the next turn's barrier. The
+  // accesses are asm volatile so that the compiler keeps them on their side
+  // of that barrier (also asm volatile, without a memory clobber).
   const int lane;
   const int warp_in_group;
-  bool redo = false;  // this warp's last key tile is not yet folded (its bound failed)
+  bool redo = false;  // this warp's verdict on the last key tile
   int kv_iter = 0;    // K/V tiles consumed so far: position in the ring
   int q_iter = 0;     // Q tiles consumed so far
 
@@ -302,48 +300,36 @@ struct FwdMainloopSm90 {
     }
   }
 
-  __device__ __forceinline__ void publish_verdict(int step, uint32_t verdict) const {
+  __device__ __forceinline__ void publish_redo(int step) const {
     if (lane == 0) {
       asm volatile("st.shared.u8 [%0], %1;" ::"r"(cast_smem_ptr_to_uint(
                        &smem.redo[step & 1][consumer][warp_in_group])),
-                   "r"(verdict));
+                   "r"(static_cast<uint32_t>(redo)));
     }
   }
-  // The warpgroup's four verdicts on key tile `step`, one byte each.
-  __device__ __forceinline__ uint32_t verdicts(int step) const {
-    uint32_t v;
+  __device__ __forceinline__ bool any_redo(int step) const {
+    uint32_t verdicts;
     asm volatile("ld.shared.u32 %0, [%1];"
-                 : "=r"(v)
+                 : "=r"(verdicts)
                  : "r"(cast_smem_ptr_to_uint(&smem.redo[step & 1][consumer][0])));
-    return v;
+    return verdicts != 0;
   }
   // Settles key tile j (>= 1) of the current unit right after this
-  // consumer's next turn began, before anything overwrites acc_s, which still
-  // holds the tile's exponentials. Where some warp's bound failed, those
-  // warps raise their maxima from them (raise_max); only where some term of
-  // the warpgroup overflowed does it compute S_j again, and the warps whose
-  // bound failed fold it with fresh maxima. Either way they rescale O (which
-  // holds the products up to P_{j-1} V_{j-1}) and convert P_j again. Then K_j
-  // (and after the unit's last Q K^T, Q) leaves shared memory.
+  // consumer's next turn began: where some warp's terms overflowed, the
+  // warpgroup computes S_j again and those warps fold it with fresh maxima,
+  // rescale O (which holds the products up to P_{j-1} V_{j-1}) and convert
+  // P_j again. Then K_j (and after the unit's last Q K^T, Q) leaves shared
+  // memory.
   template <typename OutRowCol>
   __device__ __forceinline__ void settle(Softmax& softmax, OutRowCol& o_rc, int j, int n_block,
                                          int k_stage, bool last_q_k) {
-    const uint32_t v = verdicts(j);
-    if (v != 0) {
-      const bool recompute = (v & kVerdictRecompute * 0x01010101u) != 0;
-      if (recompute) {
-        recompute_s(k_stage);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_s);
-      }
+    if (any_redo(j)) {
+      recompute_s(k_stage);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_s);
       if (redo) {
         float correction[kRows];
-        if (recompute) {
-          softmax_step(softmax, n_block, correction);
-        } else {
-          auto s = s_rc();
-          softmax.raise_max(s, correction);
-        }
+        softmax_step(softmax, n_block, correction);
         Softmax::rescale_o(o_rc, correction);
         Softmax::convert_p(acc_s, tOrP);
       }
@@ -426,22 +412,27 @@ struct FwdMainloopSm90 {
         const bool stale = softmax.has_finite_max();
         float tile_sum[kRows];
         auto s = s_rc();
-        const bool over = stale && !softmax.exp_stale(s, needs_mask, tile_sum);
-        const bool overflow = over && !Softmax::sums_finite(tile_sum);
+        bool raise = false;     // warp-uniform: some row's bound failed
+        bool overflow = false;  // warp-uniform: and some term overflowed
+        if (stale) {
+          raise = __any_sync(0xffffffff, !softmax.exp_stale(s, needs_mask, tile_sum));
+          if (raise) overflow = !__all_sync(0xffffffff, Softmax::sums_finite(tile_sum));
+        }
         if constexpr (kSettleAtTurn) {
-          // Settled at the next turn (settle): the warps publish
-          // their verdict through shared memory, and the turn's barrier,
-          // which they pass anyway, makes it visible to all.
-          redo = __any_sync(0xffffffff, over);
-          const bool recompute = __any_sync(0xffffffff, overflow);
+          // An overflow is settled at the next turn (settle): the warps
+          // publish their verdict through shared memory, and the turn's
+          // barrier, which they pass anyway, makes it visible to all. A
+          // raise is the warp's own, after the wait (outside the turn).
+          redo = overflow;
           if (stale) {
-            softmax.keep_max(tile_sum, /*add=*/!redo, correction);
+            softmax.keep_max(tile_sum, /*add=*/!raise, correction);
           } else {
             softmax.fold_max(s, needs_mask, correction);  // rows with no visible key yet
           }
-          publish_verdict(i, recompute ? kVerdictRecompute : redo ? kVerdictRaise : 0u);
+          publish_redo(i);
           softmax.pin_below();
           warpgroup_wait<0>();
+          if (raise && !redo) softmax.raise_max(s, correction);
         } else {
           // No turns to piggyback on: a vote of the warpgroup's threads.
           const bool recompute = Barriers::vote_any(overflow, consumer);
@@ -455,9 +446,7 @@ struct FwdMainloopSm90 {
           }
           if (recompute || !stale) {
             softmax.fold_max(s, needs_mask, correction);  // also rows with no visible key yet
-          } else if (__any_sync(0xffffffff, !Softmax::within_bound(tile_sum))) {
-            // (the bound tested again from the sums, live here anyway, rather
-            // than `over` held across the vote: fewer registers there)
+          } else if (raise) {
             softmax.raise_max(s, correction);
           } else {
             softmax.keep_max(tile_sum, /*add=*/true, correction);
