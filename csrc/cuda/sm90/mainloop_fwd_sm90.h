@@ -412,12 +412,10 @@ struct FwdMainloopSm90 {
         const bool stale = softmax.has_finite_max();
         float tile_sum[kRows];
         auto s = s_rc();
-        bool raise = false;     // warp-uniform: some row's bound failed
-        bool overflow = false;  // warp-uniform: and some term overflowed
-        if (stale) {
-          raise = __any_sync(0xffffffff, !softmax.exp_stale(s, needs_mask, tile_sum));
-          if (raise) overflow = !__all_sync(0xffffffff, Softmax::sums_finite(tile_sum));
-        }
+        const bool over = stale && !softmax.exp_stale(s, needs_mask, tile_sum);
+        // Warp-uniform: some row's bound failed; and some term overflowed.
+        const bool raise = __any_sync(0xffffffff, over);
+        const bool overflow = __any_sync(0xffffffff, over && !Softmax::sums_finite(tile_sum));
         if constexpr (kSettleAtTurn) {
           // An overflow is settled at the next turn (settle): the warps
           // publish their verdict through shared memory, and the turn's
