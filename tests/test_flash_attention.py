@@ -206,7 +206,10 @@ def test_window_size_matches_jax_nn(rng, window):
     q, k, v = qkv_inputs(rng, (2, 60, 60, 4, 2, 64), jnp.float32)
     got = jflash.flash_attention(q, k, v, window_size=window)
     want = jax.nn.dot_product_attention(q, k, v, local_window_size=window, implementation="xla")
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    # On GPU float32 runs the bfloat16 kernels (README): bfloat16 tolerance,
+    # still far below what one key more or less in a window changes.
+    atol = 2e-5 if plain_dtype(jnp.float32) == jnp.float32 else 3e-2
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=atol, rtol=atol)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

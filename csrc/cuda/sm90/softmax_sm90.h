@@ -132,16 +132,12 @@ struct SoftmaxSm90 {
         s_rc(r, c) = fast_exp2(fmaf(s_rc(r, c), s_scale, -row_max[r]));
       }
     }
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) tile_sum[r] = row_reduce(s_rc, r, SumOp{});
-    return within_bound(tile_sum);
-  }
-
-  // exp_stale's verdict from its tile sums.
-  __device__ __forceinline__ static bool within_bound(const float (&tile_sum)[kRows]) {
     bool within = true;
     CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) within &= tile_sum[r] <= kRescaleBound;
+    for (int r = 0; r < kRows; ++r) {
+      tile_sum[r] = row_reduce(s_rc, r, SumOp{});
+      within &= tile_sum[r] <= kRescaleBound;
+    }
     return within;
   }
 
@@ -183,10 +179,10 @@ struct SoftmaxSm90 {
   // row whose largest term exceeds 1 moves to the tile's max (not only those
   // past the slack: a tile whose sum, not its max, failed the bound would
   // otherwise fail again on the next tile of the same data). Scales the terms
-  // in s_rc, takes the tile's sums (this thread's terms; tile_sum where the
-  // caller has them) into the running ones, and leaves O's factors in
-  // correction. Called by the whole warp (quad shuffles); the rare path, so
-  // written for few registers (head dim 64's 128 per thread leave little).
+  // in s_rc, adds this thread's scaled terms to its running sums (after
+  // scaling those too), and leaves O's factors in correction. Called by the
+  // whole warp (quad shuffles); the rare path, so written for few registers
+  // (one serial max per row: head dim 64's 128 per thread leave little).
   template <typename ScoresRowCol>
   __device__ __forceinline__ void raise_max(ScoresRowCol& s_rc, float (&correction)[kRows]) {
     CUTE_UNROLL
