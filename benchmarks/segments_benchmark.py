@@ -67,15 +67,12 @@ def main(argv=None):
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
 
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
     import jflash
 
-    platform = jax.default_backend()
-    if platform != "gpu" and not args.allow_cpu:
-        raise SystemExit("no GPU (pass --allow-cpu to run the logic on a CPU)")
+    common.require_gpu(parser, args.allow_cpu)
     causal = args.causal == "yes"
     packings = []  # (name in the table, document lengths)
     for doc_len in args.doc_lens:
