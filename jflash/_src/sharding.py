@@ -187,12 +187,15 @@ def _axes(entry):
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _partitioned(call, rule, local_shardings, result_specs, band_call):
-    """custom_partitioning of call(*arrays, **static) with a custom_vmap around it.
+def _custom_call(call, lowering, rule, vmap_rule, result_specs):
+    """call(*arrays, **static) as custom_partitioning with a custom_vmap around it.
 
-    result_specs maps the operands' full PartitionSpecs to the results' specs
-    (used under Explicit mesh axes only). band_call(softmax_scale, ..., softcap) is the
-    kernel on chunk pairs that a context-parallel lowering calls."""
+    lowering(static, mesh, arg_shapes) -> (lower, result_shardings,
+    arg_shardings): the per-device call and its shardings; rule: the Shardy
+    sharding rule; vmap_rule(batched, axis_size, in_batched, arrays) -> the
+    results of the vmapped call, every one batched; result_specs(static) maps
+    the operands' full PartitionSpecs to the results' (used under Explicit mesh
+    axes only)."""
 
     @functools.partial(custom_partitioning, static_argnums=(0,))
     def partitioned(static, *arrays):
@@ -200,16 +203,12 @@ def _partitioned(call, rule, local_shardings, result_specs, band_call):
 
     def partition(static, mesh, arg_shapes, result_shape):
         del result_shape
-        static = dict(static)
-        lower = functools.partial(call, **static)
-        result_shardings, arg_shardings, lower = local_shardings(
-            mesh, arg_shapes, lower, static, band_call
-        )
+        lower, result_shardings, arg_shardings = lowering(dict(static), mesh, arg_shapes)
         return mesh, lower, result_shardings, arg_shardings
 
     partitioned.def_partition(partition=partition, sharding_rule=rule, decode_shardings=False)
 
-    def batched_call(*arrays, **static):
+    def custom_call(*arrays, **static):
         static = tuple(sorted(static.items()))
 
         @jax.custom_batching.custom_vmap
@@ -217,20 +216,56 @@ def _partitioned(call, rule, local_shardings, result_specs, band_call):
             return partitioned(static, *arrays)
 
         @batched.def_vmap
-        def vmap_rule(axis_size, in_batched, *arrays):
-            # custom_vmap puts the batched axis first; broadcast the unbatched
-            # operands so that all of them gain the same leading axis.
-            arrays = [
-                a if is_batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-                for a, is_batched in zip(arrays, in_batched, strict=True)
-            ]
-            out = batched(*arrays)
+        def _(axis_size, in_batched, *arrays):
+            out = vmap_rule(batched, axis_size, in_batched, arrays)
             return out, jax.tree.map(lambda _: True, out)
 
-        results = _with_auto_axes(batched, arrays, result_specs)
+        results = _with_auto_axes(batched, arrays, result_specs(static))
         return _restore_varying_axes(arrays, results)
 
-    return batched_call
+    return custom_call
+
+
+def _vmap_folded(batched, axis_size, in_batched, arrays):
+    """The vmapped axis as one more leading axis of every operand (custom_vmap
+    puts it first; the unbatched operands are broadcast to it), for calls that
+    fold it into their batch."""
+    arrays = [
+        a if is_batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+        for a, is_batched in zip(arrays, in_batched, strict=True)
+    ]
+    return batched(*arrays)
+
+
+def _vmap_per_slice(batched, axis_size, in_batched, arrays):
+    """One call per slice of the vmapped axis (lax.map)."""
+    del axis_size
+    mapped = [i for i, b in enumerate(in_batched) if b]
+
+    def one(slices):
+        full = list(arrays)
+        for i, x in zip(mapped, slices, strict=True):
+            full[i] = x
+        return batched(*full)
+
+    return jax.lax.map(one, [arrays[i] for i in mapped])
+
+
+def _partitioned(call, rule, local_shardings, result_specs, band_call):
+    """call(*arrays, **static) partitioned by rule and local_shardings, a
+    vmapped axis folded into the batch. result_specs maps the operands' full
+    PartitionSpecs to the results' specs (used under Explicit mesh axes only).
+    band_call(softmax_scale, ..., softcap) is the kernel on chunk pairs that a
+    context-parallel lowering calls."""
+
+    def lowering(static, mesh, arg_shapes):
+        lower = functools.partial(call, **static)
+        result_shardings, arg_shardings, lower = local_shardings(
+            mesh, arg_shapes, lower, static, band_call
+        )
+        return lower, result_shardings, arg_shardings
+
+    return _custom_call(call, lowering, rule, _vmap_folded, lambda static: result_specs)
 
 
 def _with_auto_axes(fn, operands, result_specs):
@@ -442,43 +477,10 @@ def partitioned_decode(call):
     Under jax.vmap the call runs once per slice (a paged pool has no batch
     axis to fold a vmapped axis into)."""
 
-    @functools.partial(custom_partitioning, static_argnums=(0,))
-    def partitioned(static, *arrays):
-        return call(*arrays, **dict(static))
-
-    def partition(static, mesh, arg_shapes, result_shape):
-        del result_shape
-        static = dict(static)
+    def lowering(static, mesh, arg_shapes):
         result_shardings, arg_shardings, gather = _decode_shardings(mesh, arg_shapes, static)
         lower = _without_mesh_context(
             functools.partial(call, **static, gather_appends_over=gather))
-        return mesh, lower, result_shardings, arg_shardings
+        return lower, result_shardings, arg_shardings
 
-    partitioned.def_partition(partition=partition, sharding_rule=_decode_rule,
-                              decode_shardings=False)
-
-    def decode_call(*arrays, **static):
-        static = tuple(sorted(static.items()))
-
-        @jax.custom_batching.custom_vmap
-        def batched(*arrays):
-            return partitioned(static, *arrays)
-
-        @batched.def_vmap
-        def vmap_rule(axis_size, in_batched, *arrays):
-            del axis_size
-            mapped = [i for i, b in enumerate(in_batched) if b]
-
-            def one(slices):
-                full = list(arrays)
-                for i, x in zip(mapped, slices, strict=True):
-                    full[i] = x
-                return batched(*full)
-
-            out = jax.lax.map(one, [arrays[i] for i in mapped])
-            return out, jax.tree.map(lambda _: True, out)
-
-        results = _with_auto_axes(batched, arrays, _decode_result_specs(static))
-        return _restore_varying_axes(arrays, results)
-
-    return decode_call
+    return _custom_call(call, lowering, _decode_rule, _vmap_per_slice, _decode_result_specs)
