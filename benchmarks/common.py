@@ -317,6 +317,15 @@ def jflash_commit():
     return "unknown"
 
 
+def comma_list(parser, option, text, allowed):
+    """The values of a comma-list option (e.g. --impls "jflash,cudnn"); a usage
+    error (parser.error) where there are none or one is not in allowed."""
+    values = [v for v in text.split(",") if v]
+    if not values or set(values) - set(allowed):
+        parser.error(f"{option} takes a comma list of {','.join(allowed)}")
+    return values
+
+
 def require_gpu(parser, allow_cpu):
     """The platform jax runs on; a usage error (parser.error) where it is not a
     GPU, unless allow_cpu (a script's --allow-cpu: its logic at tiny sizes)."""

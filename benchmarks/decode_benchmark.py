@@ -361,10 +361,8 @@ def main(argv=None):
         parser.error(f"--num-splits takes 'auto' or ints, got {args.num_splits}")
     if any(n is not None and not 1 <= n <= 128 for n in splits) or len(set(splits)) < len(splits):
         parser.error(f"--num-splits takes distinct values in [1, 128] or 'auto', got {args.num_splits}")
-    layouts = [x for x in args.layouts.split(",") if x]
-    impls = [x for x in args.impls.split(",") if x]
-    if not layouts or set(layouts) - set(LAYOUTS) or not impls or set(impls) - set(IMPLS):
-        parser.error(f"--layouts takes {','.join(LAYOUTS)}; --impls {','.join(IMPLS)}")
+    layouts = common.comma_list(parser, "--layouts", args.layouts, LAYOUTS)
+    impls = common.comma_list(parser, "--impls", args.impls, IMPLS)
 
     import jax
 

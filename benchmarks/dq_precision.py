@@ -156,9 +156,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
-    impls = [i for i in args.impls.split(",") if i]
-    if not impls or set(impls) - set(IMPLS):
-        parser.error(f"--impls takes a comma list of {','.join(IMPLS)}")
+    impls = common.comma_list(parser, "--impls", args.impls, IMPLS)
 
     import jax
 

@@ -339,11 +339,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.head_dims, args.seqs = QUICK["head_dims"], QUICK["seqs"]
-    impls = [i for i in args.impls.split(",") if i]
-    modes = [m for m in args.modes.split(",") if m]
-    for name, values, allowed in (("--impls", impls, IMPLS), ("--modes", modes, common.MODES)):
-        if not values or set(values) - set(allowed):
-            parser.error(f"{name} takes a comma list of {','.join(allowed)}")
+    impls = common.comma_list(parser, "--impls", args.impls, IMPLS)
+    modes = common.comma_list(parser, "--modes", args.modes, common.MODES)
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     if args.window is not None:
         if args.window < 0:

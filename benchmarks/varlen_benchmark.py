@@ -249,11 +249,8 @@ def main(argv=None):
     parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU (logic test)")
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
-    impls = [i for i in args.impls.split(",") if i]
-    modes = [m for m in args.modes.split(",") if m]
-    for name, values, allowed in (("--impls", impls, IMPLS), ("--modes", modes, common.MODES)):
-        if not values or set(values) - set(allowed):
-            parser.error(f"{name} takes a comma list of {','.join(allowed)}")
+    impls = common.comma_list(parser, "--impls", args.impls, IMPLS)
+    modes = common.comma_list(parser, "--modes", args.modes, common.MODES)
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     lengths = random_lengths(args.num_seqs, args.min_len, args.max_len, args.seed)
 
