@@ -111,6 +111,18 @@ CASES = [
     (1, 513, 385, 8, 1, 256, None, None),  # MQA; a last key block of one key
     (1, 700, 700, 4, 2, 256, -150, 40),
     (1, 63, 1, 2, 2, 256, None, None),
+    # Head dims without a Hopper kernel of their own run, on Hopper, the one of
+    # the next Hopper head dim (head_dims.h, sm90_kernel_head_dim): the columns
+    # past the call's head dim load as zeros and are not stored. Many tiles and
+    # steps, GQA and MQA, bands with rows that see no key, on each of the three
+    # Hopper kernels (64: 32; 128: 96; 256: 160, 192, 224).
+    (1, 513, 385, 8, 1, 32, None, None),
+    (2, 700, 1025, 8, 2, 32, -700, 1025 - 700),
+    (2, 1000, 1025, 8, 2, 96, -1000, 1025 - 1000),
+    (1, 1001, 777, 8, 4, 96, None, None),
+    (1, 383, 513, 4, 2, 160, -200, 100),
+    (1, 700, 900, 8, 2, 192, -700, 900 - 700),
+    (1, 1000, 1000, 16, 4, 224, None, None),
 ]
 
 
@@ -627,6 +639,7 @@ DETERMINISTIC_CASES = [
     (1, 1040, 1040, 8, 2, 128, -1040, 0),  # causal: 13 blocks of 80 rows
     (1, 1024, 1536, 4, 2, 256, None, None),
     (1, 900, 900, 4, 4, 256, -900, 0),  # causal
+    (1, 1000, 1000, 8, 2, 96, -1000, 0),  # causal, on the Hopper head dim 128 kernel
 ]
 
 
@@ -667,9 +680,9 @@ def _check_deterministic(rng, case, runs, softcap=None, q_scale=1.0):
 # Tiny rows, many of them: batch chunks; head chunks of whole GQA groups and,
 # under MQA with more than 65535 query heads, inside one group; chunks of
 # both; two row blocks along x (head dim 32 runs 128-row forward and 128-key
-# backward tiles). Head dim 32 runs the sm80 kernels on every GPU; 128 runs the
-# Hopper kernels on Hopper (and is in the ci build), whose forward and backward
-# launch one-dimensional grids of work units. On Hopper,
+# backward tiles on sm80). On Hopper every case runs the Hopper kernels (head
+# dim 32 on the head dim 64 ones; 128 is in the ci build), whose forward and
+# backward launch one-dimensional grids of work units, and
 # test_grid_limits_with_sm80_kernels runs every case on the sm80 kernels too.
 # (batch, seq_q, seq_k, num_heads, num_heads_kv, head_dim, diag_lo, diag_hi, deterministic)
 GRID_CASES = [
@@ -739,10 +752,13 @@ def test_hopper_kernels_are_selected():
             assert cuda_forward_family(dtype, d, False) in (90, 0)
         for d in (64, 128, 256):
             assert cuda_backward_family(dtype, d, False) in (90, 0)
-        for d in (32, 96, 160):  # head dims the Hopper kernels leave to sm80
-            assert cuda_forward_family(dtype, d, False) in (80, 0)
-        for d in (32, 96, 160):
-            assert cuda_backward_family(dtype, d, False) in (80, 0)
+        # Other head dims run the Hopper kernel of the next Hopper head dim
+        # wherever that one was built (head_dims.h, sm90_kernel_head_dim).
+        for d, hopper_d in ((32, 64), (96, 128), (160, 256), (192, 256), (224, 256)):
+            for banded in (False, True):
+                for family in (cuda_forward_family, cuda_backward_family):
+                    if family(dtype, hopper_d, banded) == 90:
+                        assert family(dtype, d, banded) == 90, (family.__name__, d, banded)
 
 
 # The sm80 backward on Hopper (JFLASH_CUDA_BACKWARD=sm80, in a subprocess: the
@@ -827,6 +843,8 @@ HEAD_SPLIT_CASES = [
     (3, 1500, 700, 16, 4, 128, -1500, 700 - 1500),
     (2, 300, 129, 4, 1, 64, -300, 129 - 300),
     (1, 700, 900, 8, 1, 256, -700, 900 - 700),
+    (1, 700, 900, 8, 1, 192, -700, 900 - 700),  # on the head dim 256 kernel
+    (1, 161, 385, 16, 1, 96, None, None),  # on the head dim 128 kernel
 ]
 
 

@@ -19,10 +19,11 @@ using namespace cute;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // delta = rowsum(dO * O) - dlse, one warp per (batch, head, query row), in the
-// row order of delta. head_dim / 8 lanes each read 16 bytes of dO and O.
+// row order of delta. head_dim / 8 lanes each read 16 bytes of dO and O (the
+// call's head_dim: a Hopper kernel of a wider kHeadDim may run it).
 template <typename Element, int kHeadDim>
 __global__ void flash_bwd_delta_kernel(const __grid_constant__ BwdParams params) {
-  constexpr int kChunks = kHeadDim / 8;
+  const int kChunks = min(kHeadDim, params.head_dim) / 8;
   constexpr int kWarpsPerBlock = 8;
   const int lane = threadIdx.x % 32;
   const int64_t num_rows = int64_t{params.batch} * params.num_heads * params.seqlen_q;
@@ -181,10 +182,13 @@ __device__ __forceinline__ void dq_semaphore_signal(int* semaphore) {
 
 // dK = softmax_scale * sum dS^T Q and dV = sum P^T dO of a key block, from
 // their float32 accumulators (acc_dk is scaled in place), written once in the
-// input dtype; keys at or past seqlen_k are not stored. coords: the (key,
-// head-dim column) of each accumulator element; elements 2i, 2i+1 are
-// adjacent columns (4-byte stores).
-template <typename Element, typename AccDK, typename AccDV, typename Coords>
+// input dtype; keys at or past seqlen_k are not stored, nor (kClipColumns,
+// where a kernel wider than the call's head_dim runs it) columns at or past
+// head_dim. coords: the (key, head-dim column) of each accumulator element;
+// elements 2i, 2i+1 are adjacent columns (4-byte stores; head dims are
+// multiples of 8).
+template <typename Element, bool kClipColumns = false, typename AccDK, typename AccDV,
+          typename Coords>
 __device__ __forceinline__ void store_dk_dv(AccDK& acc_dk, AccDV const& acc_dv,
                                             Coords const& coords, int key0, int batch,
                                             int kv_head, const BwdParams& params) {
@@ -199,8 +203,8 @@ __device__ __forceinline__ void store_dk_dv(AccDK& acc_dk, AccDV const& acc_dv,
   CUTE_UNROLL
   for (int i = 0; i < size(dk); i += 2) {
     const int key = key0 + get<0>(coords(i));
-    if (key < params.seqlen_k) {
-      const int col = get<1>(coords(i));
+    const int col = get<1>(coords(i));
+    if (key < params.seqlen_k && (!kClipColumns || col < params.head_dim)) {
       *reinterpret_cast<uint32_t*>(dk_ptr + key * params.dk_row_stride + col) =
           pack_pair(dk(i), dk(i + 1));
       *reinterpret_cast<uint32_t*>(dv_ptr + key * params.dv_row_stride + col) =
@@ -212,7 +216,8 @@ __device__ __forceinline__ void store_dk_dv(AccDK& acc_dk, AccDV const& acc_dv,
 // The same for a share of a GQA group's heads (head_splits > 1): the float32
 // partial sums added into dkv_accum ([batch, num_heads_kv, 2, seqlen_k,
 // head_dim]; dK unscaled, flash_bwd_convert_dkv_kernel scales it), 8-byte
-// reductions.
+// reductions; columns at or past head_dim are not added (the Hopper kernels,
+// the only callers, may be wider than the call).
 template <typename AccDK, typename AccDV, typename Coords>
 __device__ __forceinline__ void add_dk_dv(AccDK const& acc_dk, AccDV const& acc_dv,
                                           Coords const& coords, int key0, int batch, int kv_head,
@@ -223,8 +228,9 @@ __device__ __forceinline__ void add_dk_dv(AccDK const& acc_dk, AccDV const& acc_
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); i += 2) {
     const int key = key0 + get<0>(coords(i));
-    if (key < params.seqlen_k) {
-      const int64_t offset = int64_t{key} * params.head_dim + get<1>(coords(i));
+    const int col = get<1>(coords(i));
+    if (key < params.seqlen_k && col < params.head_dim) {
+      const int64_t offset = int64_t{key} * params.head_dim + col;
       atomicAdd(reinterpret_cast<float2*>(dk + offset), make_float2(acc_dk(i), acc_dk(i + 1)));
       atomicAdd(reinterpret_cast<float2*>(dv + offset), make_float2(acc_dv(i), acc_dv(i + 1)));
     }
@@ -271,7 +277,7 @@ cudaError_t launch_bwd_preprocess(const BwdParams& params, const LaunchContext& 
   const int64_t rows = int64_t{params.batch} * params.num_heads * params.seqlen_q;
   if (rows == 0) return cudaSuccess;
   if (cudaError_t err =
-          cudaMemsetAsync(params.dq_accum, 0, rows * kHeadDim * sizeof(float), ctx.stream);
+          cudaMemsetAsync(params.dq_accum, 0, rows * params.head_dim * sizeof(float), ctx.stream);
       err != cudaSuccess) {
     return err;
   }

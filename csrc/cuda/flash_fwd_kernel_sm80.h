@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       params.lse + (int64_t(batch) * params.num_heads + head) * params.seqlen_q,
       static_cast<Element*>(params.out) + batch * params.out_batch_stride +
           head * params.out_head_stride,
-      params.out_row_stride, row_seen);
+      params.out_row_stride, Int<kHeadDim>{}, row_seen);
 }
 
 // The score kind comes last: the plain kernels' instantiation files predate it.

@@ -47,6 +47,9 @@ SEGMENT_HEAD_DIMS = _head_dims("kSegmentHeadDims")
 # docs/cuda_kernels.md, "Softcap", has the build cost).
 SOFTCAP_HEAD_DIMS = _head_dims("kSoftcapHeadDims")
 SOFTCAP_MASKS = ("band", "segments")
+# The Hopper kernels (forward and backward) exist for these head dims; Hopper
+# runs every other head dim on the kernel of the next of them (head_dims.h).
+SM90_HEAD_DIMS = _head_dims("kSm90HeadDims")
 DTYPES = {
     "fp16": ("cutlass::half_t", "kFloat16"),
     "bf16": ("cutlass::bfloat16_t", "kBFloat16"),
@@ -102,16 +105,15 @@ DIRECTIONS = {
         (96, 128, 160, 192, 224, 256),
     ),
     # The Hopper forward (sm90a only; cuda.cmake compiles these files for 90a
-    # alone). Other head dims run the sm80 forward on Hopper too.
+    # alone).
     "fwd_sm90": (
         "cuda/sm90/flash_fwd_kernel_sm90.h",
         "register_sm90_fwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
         "    FwdKernel{{&sm90::run_flash_fwd_sm90<{element}, {head_dim}, {mask_policy}{score}>,\n"
         "              sm90::FwdTraitsSm90<{element}, {head_dim}>::kSmemBytes, &tma_compatible}}{score})",
-        (64, 128, 256),
+        SM90_HEAD_DIMS,
     ),
-    # The Hopper backward (sm90a only, like the Hopper forward); other head dims
-    # run the sm80 backward on Hopper too.
+    # The Hopper backward (sm90a only, like the Hopper forward).
     "bwd_sm90": (
         "cuda/sm90/flash_bwd_kernel_sm90.h",
         "register_sm90_bwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
@@ -119,7 +121,7 @@ DIRECTIONS = {
         "              sm90::BwdTraitsSm90<{element}, {head_dim},\n"
         "                                  MaskKind::{mask_kind}{score}>::kSmemBytes,\n"
         "              &sm90::tma_compatible_bwd}}{score})",
-        (64, 128, 256),
+        SM90_HEAD_DIMS,
     ),
 }
 

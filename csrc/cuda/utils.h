@@ -302,25 +302,30 @@ __device__ __forceinline__ void normalize_output(AccORowCol& o_rc, CoordORowCol 
 }
 
 // normalize_output, then O stored in half precision straight from registers
-// (rows at or past seqlen_q are not stored).
+// (rows at or past seqlen_q are not stored, nor columns at or past out_cols:
+// a static out_cols is the tile's width, a dynamic one the call's head dim
+// where a wider kernel runs it).
 template <typename Element, int kRows, typename AccO, typename AccORowCol, typename CoordO,
-          typename CoordORowCol, typename Mask>
+          typename CoordORowCol, typename Mask, typename OutCols>
 __device__ __forceinline__ void store_output(AccO const& acc_o, AccORowCol& o_rc,
                                              CoordO const& c_o, CoordORowCol const& c_o_rc,
                                              float const (&row_max)[kRows],
                                              float const (&row_sum)[kRows], int row_begin,
                                              int seqlen_q, const Mask& mask, int seqlen_k,
                                              bool writes_lse, float* lse_ptr, Element* out_ptr,
-                                             int64_t out_row_stride,
+                                             int64_t out_row_stride, OutCols out_cols,
                                              const bool* row_seen = nullptr) {
   normalize_output(o_rc, c_o_rc, row_max, row_sum, row_begin, seqlen_q, mask, seqlen_k,
                    writes_lse, lse_ptr, row_seen);
   Tensor o = convert_fragment<Element>(acc_o);
-  // Fragment elements 2i, 2i+1 are adjacent columns of one row: 4-byte stores.
+  // Fragment elements 2i, 2i+1 are adjacent columns of one row: 4-byte stores
+  // (head dims are multiples of 8, so a pair is stored whole or not at all).
   CUTE_UNROLL
   for (int i = 0; i < size(o); i += 2) {
     const int row = row_begin + get<0>(c_o(i));
-    if (row < seqlen_q) {
+    bool in_cols = true;
+    if constexpr (!is_static<OutCols>::value) in_cols = get<1>(c_o(i)) < out_cols;
+    if (row < seqlen_q && in_cols) {
       Element* dst = out_ptr + int64_t(row) * out_row_stride + get<1>(c_o(i));
       *reinterpret_cast<uint32_t*>(dst) = pack_pair(o(i), o(i + 1));
     }

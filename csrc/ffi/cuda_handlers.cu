@@ -212,6 +212,16 @@ MaskKind KernelMask(MaskKind mask, ScoreKind score) {
   return score == ScoreKind::kSoftcap && mask == MaskKind::kNone ? MaskKind::kBand : mask;
 }
 
+// The Hopper kernels that would run a call: those of the next Hopper head dim
+// (head_dims.h, sm90_kernel_head_dim), which take a narrower call's buffers as
+// they are.
+const cuda::FwdKernel& HopperForward(DType dtype, int head_dim, MaskKind mask, ScoreKind score) {
+  return cuda::sm90_fwd_kernel_slot(dtype, sm90_kernel_head_dim(head_dim), mask, score);
+}
+const cuda::BwdKernel& HopperBackward(DType dtype, int head_dim, MaskKind mask, ScoreKind score) {
+  return cuda::sm90_bwd_kernel_slot(dtype, sm90_kernel_head_dim(head_dim), mask, score);
+}
+
 // The forward kernel for a call: the Hopper kernel where it takes the call,
 // else the sm80 kernel of the device's tile column, which computes the same
 // result everywhere. launch == nullptr when the kernel it needs was not built.
@@ -220,7 +230,7 @@ cuda::FwdKernel SelectForward(const DeviceInfo& info, FamilyChoice choice, DType
                               const FwdParams* params) {
   if (!KernelHeadDim(dtype, head_dim)) return {};
   const MaskKind mask = KernelMask(call_mask, score);
-  const cuda::FwdKernel& hopper = cuda::sm90_fwd_kernel_slot(dtype, head_dim, mask, score);
+  const cuda::FwdKernel& hopper = HopperForward(dtype, head_dim, mask, score);
   if (HopperTakes(hopper, info, choice, params)) return hopper;
   const auto column = Sm80Column(cuda::fwd_smem_bytes(cuda::fwd_tile(head_dim), head_dim),
                                  cuda::has_small_fwd_tile(head_dim), info);
@@ -233,7 +243,7 @@ cuda::BwdKernel SelectBackward(const DeviceInfo& info, FamilyChoice choice, DTyp
                                const BwdParams* params) {
   if (!KernelHeadDim(dtype, head_dim)) return {};
   const MaskKind mask = KernelMask(call_mask, score);
-  const cuda::BwdKernel& hopper = cuda::sm90_bwd_kernel_slot(dtype, head_dim, mask, score);
+  const cuda::BwdKernel& hopper = HopperBackward(dtype, head_dim, mask, score);
   if (HopperTakes(hopper, info, choice, params)) return hopper;
   const auto column = Sm80Column(cuda::bwd_smem_bytes(cuda::bwd_tile(head_dim), head_dim),
                                  cuda::has_small_bwd_tile(head_dim), info);
@@ -508,7 +518,7 @@ extern "C" __attribute__((visibility("default"))) int jflash_cuda_forward_family
   if (q.info == nullptr) return -1;
   return jflash::Family(jflash::SelectForward(*q.info, jflash::forward_choice(), q.dtype,
                                               head_dim, q.mask, q.score, nullptr),
-                        jflash::cuda::sm90_fwd_kernel_slot(q.dtype, head_dim, q.mask, q.score));
+                        jflash::HopperForward(q.dtype, head_dim, q.mask, q.score));
 }
 
 // The same for the backward (jflash/_src/ffi.py: cuda_backward_family).
@@ -518,7 +528,7 @@ extern "C" __attribute__((visibility("default"))) int jflash_cuda_backward_famil
   if (q.info == nullptr) return -1;
   return jflash::Family(jflash::SelectBackward(*q.info, jflash::backward_choice(), q.dtype,
                                                head_dim, q.mask, q.score, nullptr),
-                        jflash::cuda::sm90_bwd_kernel_slot(q.dtype, head_dim, q.mask, q.score));
+                        jflash::HopperBackward(q.dtype, head_dim, q.mask, q.score));
 }
 
 // The dynamic shared memory per block of the kernel a call would run on the

@@ -19,7 +19,8 @@ using namespace cute;
 
 // Where Traits::kSmemEpilogue, O goes through this warpgroup's slab of shared
 // memory (stmatrix) to a TMA store (the traits say why); otherwise (head dim
-// 256) it is stored from registers.
+// 256) it is stored from registers. Either way only the call's head_dim
+// columns are stored (the TMA clips them; the register store bounds them).
 template <typename Traits>
 struct FwdEpilogueSm90 {
   using Element = typename Traits::Element;
@@ -97,7 +98,7 @@ struct FwdEpilogueSm90 {
                             params.seqlen_k, tidx % 4 == 0, lse_ptr,
                             static_cast<Element*>(params.out) + tile.batch * params.out_batch_stride +
                                 tile.head * params.out_head_stride,
-                            params.out_row_stride, row_seen);
+                            params.out_row_stride, params.head_dim, row_seen);
     }
   }
 

@@ -168,6 +168,9 @@ template <typename Element, int kHeadDim, typename Mask, ScoreKind kScore = Scor
 cudaError_t run_flash_bwd_sm90(const BwdParams& call_params, const LaunchContext& ctx) {
   using Traits = BwdTraitsSm90<Element, kHeadDim, Mask::kKind, kScore>;
   using Scheduler = BwdSchedulerSm90<Traits::kBlockM, Traits::kBlockN, Mask>;
+  if (call_params.head_dim > kHeadDim || call_params.head_dim % 8 != 0) {
+    return cudaErrorInvalidValue;
+  }
   BwdParams params = call_params;
   params.head_splits = Scheduler::head_splits(params, ctx.sm_count, ctx.bwd_head_splits);
   const int64_t num_ctas = Scheduler::grid_size(params);
@@ -200,9 +203,10 @@ cudaError_t run_flash_bwd_sm90(const BwdParams& call_params, const LaunchContext
       // dq_accum is [batch, heads, seqlen_q, head_dim], dense.
       make_tma_atom(SM90_TMA_REDUCE_ADD{},
                     make_tensor(make_gmem_ptr(params.dq_accum), Traits::shape_q(params),
-                                make_stride(int64_t{kHeadDim}, _1{},
-                                            int64_t{params.seqlen_q} * kHeadDim,
-                                            int64_t{params.num_heads} * params.seqlen_q * kHeadDim)),
+                                make_stride(int64_t{params.head_dim}, _1{},
+                                            int64_t{params.seqlen_q} * params.head_dim,
+                                            int64_t{params.num_heads} * params.seqlen_q *
+                                                params.head_dim)),
                     take<0, 2>(typename Traits::SmemLayoutdQ{}),
                     Shape<Int<Traits::kBlockM>, Int<Traits::kDqCols>>{}),
   };

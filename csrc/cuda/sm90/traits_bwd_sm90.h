@@ -209,11 +209,14 @@ struct BwdTraitsSm90 {
       make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), GmemShape{}, GmemStride{}),
       take<0, 2>(SmemLayoutdQ{}), Shape<Int<kBlockM>, Int<kDqCols>>{}));
 
+  // The call's head dim may be below kHeadDim (head_dims.h,
+  // sm90_kernel_head_dim): the loads fill the columns past it with zeros, the
+  // dQ reduce-add clips them, and the dK, dV writes bound them.
   CUTE_HOST_DEVICE static auto shape_q(const BwdParams& p) {
-    return make_shape(p.seqlen_q, int32_t{kHeadDim}, p.num_heads, p.batch);
+    return make_shape(p.seqlen_q, int32_t{p.head_dim}, p.num_heads, p.batch);
   }
   CUTE_HOST_DEVICE static auto shape_k(const BwdParams& p) {
-    return make_shape(p.seqlen_k, int32_t{kHeadDim}, p.num_heads_kv, p.batch);
+    return make_shape(p.seqlen_k, int32_t{p.head_dim}, p.num_heads_kv, p.batch);
   }
 
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);

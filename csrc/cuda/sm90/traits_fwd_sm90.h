@@ -91,15 +91,17 @@ struct FwdTraitsSm90 {
                    Shape<Int<kHeadDim>, Int<kBlockN>>>;
 
   // The global shapes the TMA descriptors are built for (host) and indexed
-  // with (device).
+  // with (device). The call's head dim may be below kHeadDim (head_dims.h,
+  // sm90_kernel_head_dim): the loads fill the columns past it with zeros and
+  // the O store clips them.
   CUTE_HOST_DEVICE static auto shape_q(const FwdParams& p) {
-    return make_shape(p.seqlen_q, int32_t{kHeadDim}, p.num_heads, p.batch);
+    return make_shape(p.seqlen_q, int32_t{p.head_dim}, p.num_heads, p.batch);
   }
   CUTE_HOST_DEVICE static auto shape_k(const FwdParams& p) {
-    return make_shape(p.seqlen_k, int32_t{kHeadDim}, p.num_heads_kv, p.batch);
+    return make_shape(p.seqlen_k, int32_t{p.head_dim}, p.num_heads_kv, p.batch);
   }
   CUTE_HOST_DEVICE static auto shape_vt(const FwdParams& p) {
-    return make_shape(int32_t{kHeadDim}, p.seqlen_k, p.num_heads_kv, p.batch);
+    return make_shape(int32_t{p.head_dim}, p.seqlen_k, p.num_heads_kv, p.batch);
   }
 
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);

@@ -41,6 +41,26 @@ inline constexpr int kNumSoftcapHeadDims = sizeof(kSoftcapHeadDims) / sizeof(kSo
 static_assert(kSoftcapHeadDims[kNumSoftcapHeadDims - 1] == kMaxKernelHeadDim,
               "every head dim pads up to a softcap head dim");
 
+// The Hopper kernels (csrc/cuda/sm90/, forward and backward) are built for
+// these head dims. On Hopper, a call at another entry of kKernelHeadDims runs
+// the Hopper kernel of the next of these (sm90_kernel_head_dim): its TMA
+// descriptors carry the call's head dim, so the columns past it load as zeros
+// (which change no score and no output) and are not stored. Python does not
+// pad for it; the call's buffers keep their head dim.
+inline constexpr int kSm90HeadDims[] = {64, 128, 256};
+inline constexpr int kNumSm90HeadDims = sizeof(kSm90HeadDims) / sizeof(kSm90HeadDims[0]);
+static_assert(kSm90HeadDims[kNumSm90HeadDims - 1] == kMaxKernelHeadDim,
+              "every head dim has a Hopper kernel to run on");
+
+// The head dim of the Hopper kernel that runs a call of head_dim: the first
+// entry of kSm90HeadDims at or above it.
+constexpr int sm90_kernel_head_dim(int head_dim) {
+  for (int d : kSm90HeadDims) {
+    if (head_dim <= d) return d;
+  }
+  return -1;
+}
+
 // Whether head_dim is an entry of a head-dim list (host code: the handlers).
 template <int kCount>
 constexpr bool is_listed_head_dim(const int (&list)[kCount], int head_dim) {
