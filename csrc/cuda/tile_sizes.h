@@ -162,8 +162,8 @@ constexpr bool has_small_bwd_tile(int head_dim) {
 
 // Hopper forward (csrc/cuda/sm90/): TMA + wgmma, one producer warpgroup and
 // block_m / 64 consumer warpgroups (64 query rows each), K and V tiles in
-// rings of shared-memory buffers. Head dims without an entry run the sm80
-// kernel on Hopper too.
+// rings of shared-memory buffers. Head dims without an entry run the entry of
+// the next head dim that has one (head_dims.h, sm90_kernel_head_dim).
 struct Sm90FwdTile {
   int block_m;   // query rows per CTA: 64 per consumer warpgroup
   int block_n;   // key rows per step (the N of S = Q K^T, the K of O += P V)
