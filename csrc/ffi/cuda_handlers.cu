@@ -161,11 +161,12 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
                     std::string("jflash: ") + what + ": " + cudaGetErrorString(err));
 }
 
-// A kernel launch's error. Every kernel the handlers select is built for each
-// arch of JFLASH_CUDA_ARCHS (the Hopper ones for 90a, selected on compute
-// capability 9.0 only), so a GPU finds no code only where the build's arch
-// list leaves it out, and 80 with it (the sm80 kernels' PTX runs on every GPU
-// from sm80 on): say so, rather than CUDA's "no kernel image".
+// A kernel launch's error. The Hopper kernels are built for 90a (and selected
+// on compute capability 9.0 only), the others for every other arch of
+// JFLASH_CUDA_ARCHS with the compute_80 PTX where 80 is one of them (the sm80
+// forward and backward run on Hopper from that PTX: csrc/cuda/cuda.cmake), so
+// a GPU finds no code only where the build's arch list leaves it out, and 80
+// with it: say so, rather than CUDA's "no kernel image".
 ffi::Error LaunchError(cudaError_t err, const DeviceInfo& info, const char* direction) {
   if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
