@@ -27,10 +27,14 @@
 # score), and one per head dim for the decode kernels: 37 for "all" instead
 # of 216, the same SASS.
 # The sm80 forward and backward get no sm_90a SASS when 80 is a target
-# (below, _gencode_sm80); the decode kernels do.
+# (below, _gencode_sm80) unless JFLASH_CUDA_SM80_HOPPER_SASS is ON; the decode
+# kernels do.
 
 set(JFLASH_CUDA_ARCHS "80;90a" CACHE STRING "GPU architectures to embed SASS for")
 set(JFLASH_CUDA_SUBSET "all" CACHE STRING "Kernel instantiations to compile: all, ci, or name fragments")
+option(JFLASH_CUDA_SM80_HOPPER_SASS
+       "Also embed sm_90a SASS for the sm80 forward and backward (running them on Hopper without the driver's PTX compile)"
+       OFF)
 
 # CuTe/CUTLASS headers from the nvidia-cutlass wheel (the `cuda` extra). Without
 # them, AUTO builds the CPU kernels only and says so; ON fails.
@@ -207,10 +211,12 @@ target_compile_options(jflash_cuda PRIVATE
 # (head_dims.h, sm90_kernel_head_dim): there the driver compiles their PTX at
 # first use (cached on disk), and the build skips a cicc pass per unit, about
 # half of each unit's time (docs/cuda_kernels.md, "Build time"). With 90a
-# alone in the list they keep its SASS.
+# alone in the list, or JFLASH_CUDA_SM80_HOPPER_SASS ON (for comparisons and
+# tests of the sm80 kernels on Hopper, where the first use of each unit would
+# wait seconds for the driver's compile), they keep its SASS.
 set(_gencode_sm80 "")
 foreach(_arch IN LISTS JFLASH_CUDA_ARCHS)
-  if(NOT _arch STREQUAL "90a")
+  if(JFLASH_CUDA_SM80_HOPPER_SASS OR NOT _arch STREQUAL "90a")
     list(APPEND _gencode_sm80 "-gencode=arch=compute_${_arch},code=sm_${_arch}")
   endif()
 endforeach()
