@@ -763,6 +763,9 @@ def test_hopper_kernels_are_selected():
 
 # The sm80 backward on Hopper (JFLASH_CUDA_BACKWARD=sm80, in a subprocess: the
 # choice is read once per process), on shapes that the Hopper backward covers.
+# A build without JFLASH_CUDA_SM80_HOPPER_SASS has no sm_90a SASS for the sm80
+# kernels: the driver then compiles their PTX at first use, seconds per kernel
+# unit, and these tests (and the other *_sm80_* ones) take minutes.
 SM80_BACKWARD_CASES = [
     (1, 129, 1000, 4, 2, 128, None, None),
     (1, 300, 300, 2, 1, 128, -70, -5),
