@@ -43,7 +43,7 @@ def assert_within_rule(name, kernel, plain, truth, dtype):
     plain_err = max_err(plain, truth)
     finite = truth[np.isfinite(truth)]
     scale = max(1.0, float(np.max(np.abs(finite)))) if finite.size else 1.0
-    bound = 2 * plain_err + FLOOR[jnp.dtype(dtype)] * scale
+    bound = 2 * plain_err + FLOOR[plain_dtype(dtype)] * scale
     assert kernel_err <= bound, (
         f"{name}: kernel error {kernel_err:.3g} > bound {bound:.3g} "
         f"(plain {plain_dtype(dtype)} error {plain_err:.3g})"

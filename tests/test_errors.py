@@ -219,10 +219,12 @@ def test_dot_product_attention_symbolic_seq_len_falls_back(rng):
 
     q = jax.ShapeDtypeStruct(export.symbolic_shape("2, t, 4, 16"), jnp.float32)
     exported = export.export(jax.jit(jflash.dot_product_attention), platforms=("cpu",))(q, q, q)
-    x = jnp.asarray(rng.standard_normal((2, 8, 4, 16)), jnp.float32)
-    np.testing.assert_allclose(
-        exported.call(x, x, x), jax.nn.dot_product_attention(x, x, x), rtol=1e-6, atol=1e-6
-    )
+    # Called where it was exported for (the default device may be a GPU).
+    with jax.default_device(jax.devices("cpu")[0]):
+        x = jnp.asarray(rng.standard_normal((2, 8, 4, 16)), jnp.float32)
+        np.testing.assert_allclose(
+            exported.call(x, x, x), jax.nn.dot_product_attention(x, x, x), rtol=1e-6, atol=1e-6
+        )
     with pytest.raises(ValueError, match="query has symbolic seq_len 't'"):
         export.export(
             jax.jit(lambda q, k, v: jflash.dot_product_attention(q, k, v, implementation="jflash")),
