@@ -210,21 +210,14 @@ target_compile_options(jflash_cuda PRIVATE
 # JFLASH_CUDA_SMEM_LIMIT), since every head dim has a Hopper kernel to run on
 # (head_dims.h, sm90_kernel_head_dim): there the driver compiles their PTX at
 # first use (cached on disk), and the build skips a cicc pass per unit, about
-# half of each unit's time (docs/cuda_kernels.md, "Build time"). With 90a
-# alone in the list, or JFLASH_CUDA_SM80_HOPPER_SASS ON (for comparisons and
-# tests of the sm80 kernels on Hopper, where the first use of each unit would
-# wait seconds for the driver's compile), they keep its SASS.
-set(_gencode_sm80 "")
-foreach(_arch IN LISTS JFLASH_CUDA_ARCHS)
-  if(JFLASH_CUDA_SM80_HOPPER_SASS OR NOT _arch STREQUAL "90a")
-    list(APPEND _gencode_sm80 "-gencode=arch=compute_${_arch},code=sm_${_arch}")
-  endif()
-endforeach()
-if("80" IN_LIST JFLASH_CUDA_ARCHS)
-  list(APPEND _gencode_sm80 "-gencode=arch=compute_80,code=compute_80")
-endif()
-if(NOT _gencode_sm80)
-  set(_gencode_sm80 "${_gencode}")
+# half of each unit's time (docs/cuda_kernels.md, "Build time"). Without 80
+# in the list (no compute_80 PTX to fall back on), or with
+# JFLASH_CUDA_SM80_HOPPER_SASS ON (for comparisons and tests of the sm80
+# kernels on Hopper, where the first use of each unit would wait seconds for
+# the driver's compile), they keep its SASS.
+set(_gencode_sm80 "${_gencode}")
+if("80" IN_LIST JFLASH_CUDA_ARCHS AND NOT JFLASH_CUDA_SM80_HOPPER_SASS)
+  list(REMOVE_ITEM _gencode_sm80 "-gencode=arch=compute_90a,code=sm_90a")
 endif()
 if(_sm80_sources)
   target_compile_options(jflash_cuda_sm80 PRIVATE

@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   store_dk_dv<Element>(
       acc_dk, acc_dv,
       thr_mma_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{})), key0,
-      batch, kv_head, params);
+      batch, kv_head, params, Int<kHeadDim>{});
 }
 
 // The score kind comes last: the plain kernels' instantiation files predate it.

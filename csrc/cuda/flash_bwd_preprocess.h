@@ -23,7 +23,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 // call's head_dim: a Hopper kernel of a wider kHeadDim may run it).
 template <typename Element, int kHeadDim>
 __global__ void flash_bwd_delta_kernel(const __grid_constant__ BwdParams params) {
-  const int kChunks = min(kHeadDim, params.head_dim) / 8;
+  const int chunks = min(kHeadDim, params.head_dim) / 8;
   constexpr int kWarpsPerBlock = 8;
   const int lane = threadIdx.x % 32;
   const int64_t num_rows = int64_t{params.batch} * params.num_heads * params.seqlen_q;
@@ -38,7 +38,7 @@ __global__ void flash_bwd_delta_kernel(const __grid_constant__ BwdParams params)
                          batch * params.dout_batch_stride + row * params.dout_row_stride +
                          head * params.dout_head_stride;
     float dot = 0.f;
-    for (int c = lane; c < kChunks; c += 32) {
+    for (int c = lane; c < chunks; c += 32) {
       const uint4 o_chunk = *reinterpret_cast<const uint4*>(o + c * 8);
       const uint4 do_chunk = *reinterpret_cast<const uint4*>(d_o + c * 8);
       const Element* o8 = reinterpret_cast<const Element*>(&o_chunk);
@@ -182,16 +182,16 @@ __device__ __forceinline__ void dq_semaphore_signal(int* semaphore) {
 
 // dK = softmax_scale * sum dS^T Q and dV = sum P^T dO of a key block, from
 // their float32 accumulators (acc_dk is scaled in place), written once in the
-// input dtype; keys at or past seqlen_k are not stored, nor (kClipColumns,
-// where a kernel wider than the call's head_dim runs it) columns at or past
-// head_dim. coords: the (key, head-dim column) of each accumulator element;
-// elements 2i, 2i+1 are adjacent columns (4-byte stores; head dims are
-// multiples of 8).
-template <typename Element, bool kClipColumns = false, typename AccDK, typename AccDV,
-          typename Coords>
+// input dtype; keys at or past seqlen_k are not stored, nor columns at or
+// past out_cols (as store_output's: a static out_cols is the tile's width, a
+// dynamic one the call's head dim where a wider kernel runs it). coords: the
+// (key, head-dim column) of each accumulator element; elements 2i, 2i+1 are
+// adjacent columns (4-byte stores; head dims are multiples of 8).
+template <typename Element, typename AccDK, typename AccDV, typename Coords, typename OutCols>
 __device__ __forceinline__ void store_dk_dv(AccDK& acc_dk, AccDV const& acc_dv,
                                             Coords const& coords, int key0, int batch,
-                                            int kv_head, const BwdParams& params) {
+                                            int kv_head, const BwdParams& params,
+                                            OutCols out_cols) {
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
   Tensor dk = convert_fragment<Element>(acc_dk);
@@ -204,7 +204,9 @@ __device__ __forceinline__ void store_dk_dv(AccDK& acc_dk, AccDV const& acc_dv,
   for (int i = 0; i < size(dk); i += 2) {
     const int key = key0 + get<0>(coords(i));
     const int col = get<1>(coords(i));
-    if (key < params.seqlen_k && (!kClipColumns || col < params.head_dim)) {
+    bool in_cols = true;
+    if constexpr (!is_static<OutCols>::value) in_cols = col < out_cols;
+    if (key < params.seqlen_k && in_cols) {
       *reinterpret_cast<uint32_t*>(dk_ptr + key * params.dk_row_stride + col) =
           pack_pair(dk(i), dk(i + 1));
       *reinterpret_cast<uint32_t*>(dv_ptr + key * params.dv_row_stride + col) =

@@ -145,8 +145,8 @@ __device__ __forceinline__ void write_dk_dv(AccDK& acc_dk, AccDV& acc_dv, const 
   if (params.head_splits > 1) {
     add_dk_dv(acc_dk, acc_dv, dkv_coords, key0, batch, kv_head, params);
   } else {
-    store_dk_dv<Element, /*kClipColumns=*/true>(acc_dk, acc_dv, dkv_coords, key0, batch, kv_head,
-                                               params);
+    store_dk_dv<Element>(acc_dk, acc_dv, dkv_coords, key0, batch, kv_head, params,
+                         params.head_dim);
   }
 }
 
