@@ -163,6 +163,9 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   const int tidx = threadIdx.x;
   const int warp = tidx / 32, lane = tidx % 32;
   const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
+  // The combine may launch now: its CTAs wait for this grid's shares at
+  // griddepcontrol.wait, which covers the whole grid and its writes.
+  launch_dependent_grids();
 
   const int group = params.heads_per_kv;
   const int rows = decode_rows(params);
@@ -431,38 +434,68 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 // lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s over the
 // splits with a share (lse_s > -inf; a split without one wrote zeros). A row
 // that sees keys but has no share in any split had every visible score -inf:
-// NaN, as with one split. One warp per row, head_dim / 32 columns per lane.
+// NaN, as with one split.
 //
-// Latency, not bandwidth, bounds this kernel (a few MB at most): each lane
-// loads the lse of splits lane, lane + 32, ... at once and keeps their
-// weights in registers, and the shares' rows are loads that depend on nothing
-// but the split index, kCombineBatch splits' loads issued before their sums.
-// (A loop that read each lse and then its share waited two L2 round trips per
-// split, ~10 us at 33 splits.)
+// Latency, not bandwidth, bounds this kernel (a few MB at most; 5.4 us of a
+// 23 us call at batch 1 and an 8k cache, H100, when a warp took a whole row
+// and 8 splits per round trip). One CTA per row: its kCombineWarps warps take
+// the splits in turn (warp w: w, w + kCombineWarps, ...), kCombineBatch of
+// them per round trip, so that up to 64 splits take one; a lane holds
+// head_dim / 32 columns. The shares' addresses depend on nothing but the
+// split index: a warp's first batch of share loads goes out with its lse
+// loads. Every warp reads every lse (a lane per split; L2 hits) for the
+// row's lse and the weights, and the warps' sums meet in shared memory.
+//
+// Launched as a programmatic dependent of the main kernel where the device
+// takes it (LaunchContext::programmatic_launch): its CTAs start while the
+// main kernel runs, read the call's lengths, and wait for the main kernel's
+// shares at griddepcontrol.wait rather than at a launch.
+inline constexpr int kCombineWarps = 8;
 inline constexpr int kCombineBatch = 8;
-static_assert(32 % kCombineBatch == 0, "a batch of splits takes its weights from one lane slot");
+static_assert(kCombineWarps * kCombineBatch == 64 && 32 % kCombineWarps == 0,
+              "a round's splits take their weights from two lane slots");
 
 template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(128) flash_decode_combine_kernel(
+__global__ void __launch_bounds__(32 * kCombineWarps) flash_decode_combine_kernel(
     const __grid_constant__ DecodeParams params) {
   constexpr int kPerLane = kHeadDim / 32;
   static_assert(kPerLane % 2 == 0);
   constexpr int kSlots = (kMaxDecodeSplits + 31) / 32;  // splits per lane
+  constexpr int kRound = kCombineWarps * kCombineBatch;  // splits per round trip
+  static_assert(kSlots % 2 == 0, "two lane slots per round");
+  __shared__ float partial[kCombineWarps][kHeadDim];
   const int64_t rows_total = int64_t{params.batch} * params.num_heads * params.seqlen_q;
-  const int64_t row = int64_t{blockIdx.x} * 4 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= rows_total) return;
+  const int64_t row = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int batch = static_cast<int>(row / (int64_t{params.num_heads} * params.seqlen_q));
   const int head = static_cast<int>(row / params.seqlen_q % params.num_heads);
   const int query = static_cast<int>(row % params.seqlen_q);
+  // The call's own inputs, written before the main kernel began.
   const DecodeLengths lens = decode_lengths(params, batch);
   const MaskParams band = decode_band(params, lens.total);
   const IndexRange keys = BandMask(band, batch).row_keys(query, lens.total);
   const int splits = params.num_splits;
+  wait_for_prerequisite_grids();
 
   float o[kPerLane] = {};
   float lse = -INFINITY;
   if (keys.begin < keys.end) {
+    // Split s of round b, u: s = b * kRound + u * kCombineWarps + warp.
+    const float* shares = params.out_partial + row * kHeadDim + lane * kPerLane;
+    float2 x[kCombineBatch][kPerLane / 2];
+    auto load_round = [&](int b) {
+      CUTE_UNROLL
+      for (int u = 0; u < kCombineBatch; ++u) {
+        const int s = b * kRound + u * kCombineWarps + warp;
+        const float* share = shares + int64_t{s} * rows_total * kHeadDim;
+        CUTE_UNROLL
+        for (int c = 0; c < kPerLane / 2; ++c) {
+          x[u][c] = s < splits ? *reinterpret_cast<const float2*>(share + 2 * c)
+                               : make_float2(0.f, 0.f);
+        }
+      }
+    };
+    load_round(0);
     float weight[kSlots];  // the lse of split j * 32 + lane, then its weight
     float max = -INFINITY;
     CUTE_UNROLL
@@ -476,7 +509,7 @@ __global__ void __launch_bounds__(128) flash_decode_combine_kernel(
     }
     if (max == -INFINITY) {
       lse = NAN;
-      for (float& x : o) x = NAN;
+      for (float& v : o) v = NAN;
     } else {
       float sum = 0.f;
       CUTE_UNROLL
@@ -489,45 +522,46 @@ __global__ void __launch_bounds__(128) flash_decode_combine_kernel(
       for (int j = 0; j < kSlots; ++j) {
         weight[j] = weight[j] == -INFINITY ? 0.f : expf(weight[j] - lse);
       }
-      // kCombineBatch splits at a time: their shares' loads first, then the sums.
-      const float* shares = params.out_partial + row * kHeadDim + lane * kPerLane;
-      for (int s0 = 0; s0 < splits; s0 += kCombineBatch) {
-        // The weight of split s0 / 32 * 32 + lane, by comparisons rather than an
-        // index (which would put weight[] in local memory).
-        float lane_weight = weight[kSlots - 1];
+      for (int b = 0; b * kRound < splits; ++b) {
+        if (b > 0) load_round(b);
+        // Round b's splits lie in lane slots 2b (u * kCombineWarps < 32) and
+        // 2b + 1 (kRound = 64), chosen by comparisons rather than an index,
+        // which would put weight[] in local memory.
+        float slot_lo = weight[0], slot_hi = weight[1];
         CUTE_UNROLL
-        for (int j = kSlots - 2; j >= 0; --j) lane_weight = s0 < (j + 1) * 32 ? weight[j] : lane_weight;
-        float w[kCombineBatch];
-        float2 x[kCombineBatch][kPerLane / 2];
-        CUTE_UNROLL
-        for (int u = 0; u < kCombineBatch; ++u) {
-          const int s = s0 + u;
-          w[u] = __shfl_sync(0xffffffff, lane_weight, s % 32);
-          const float* share = shares + int64_t{s} * rows_total * kHeadDim;
-          CUTE_UNROLL
-          for (int c = 0; c < kPerLane / 2; ++c) {
-            x[u][c] = s < splits ? *reinterpret_cast<const float2*>(share + 2 * c)
-                                 : make_float2(0.f, 0.f);
-          }
+        for (int j = 1; j < kSlots / 2; ++j) {
+          slot_lo = b == j ? weight[2 * j] : slot_lo;
+          slot_hi = b == j ? weight[2 * j + 1] : slot_hi;
         }
         CUTE_UNROLL
         for (int u = 0; u < kCombineBatch; ++u) {
+          const int s = b * kRound + u * kCombineWarps + warp;
+          const float w = __shfl_sync(0xffffffff, u * kCombineWarps < 32 ? slot_lo : slot_hi, s % 32);
           CUTE_UNROLL
           for (int c = 0; c < kPerLane / 2; ++c) {
-            o[2 * c] += w[u] * x[u][c].x;
-            o[2 * c + 1] += w[u] * x[u][c].y;
+            o[2 * c] += w * x[u][c].x;
+            o[2 * c + 1] += w * x[u][c].y;
           }
         }
       }
     }
   }
-  Element* dst = static_cast<Element*>(params.out) + batch * params.out_batch_stride +
-                 query * params.out_row_stride + head * params.out_head_stride + lane * kPerLane;
   CUTE_UNROLL
-  for (int c = 0; c < kPerLane; c += 2) {
-    *reinterpret_cast<uint32_t*>(dst + c) = pack_pair(Element(o[c]), Element(o[c + 1]));
+  for (int c = 0; c < kPerLane; ++c) partial[warp][lane * kPerLane + c] = o[c];
+  __syncthreads();
+  Element* dst = static_cast<Element*>(params.out) + batch * params.out_batch_stride +
+                 query * params.out_row_stride + head * params.out_head_stride;
+  static_assert(kHeadDim <= 2 * 32 * kCombineWarps, "a thread writes two columns at most");
+  if (const int c = 2 * threadIdx.x; c < kHeadDim) {
+    float a = 0.f, b = 0.f;
+    CUTE_UNROLL
+    for (int w = 0; w < kCombineWarps; ++w) {
+      a += partial[w][c];
+      b += partial[w][c + 1];
+    }
+    *reinterpret_cast<uint32_t*>(dst + c) = pack_pair(Element(a), Element(b));
   }
-  if (lane == 0) params.lse[row] = lse;
+  if (threadIdx.x == 0) params.lse[row] = lse;
 }
 
 // The kernel for `rows` rows per kv head: 4 warps across the keys of a tile
@@ -592,9 +626,9 @@ cudaError_t run_flash_decode(const DecodeParams& params, const LaunchContext& ct
       return err;
     }
     const int64_t rows_total = int64_t{params.batch} * params.num_heads * params.seqlen_q;
-    flash_decode_combine_kernel<Element, kHeadDim>
-        <<<static_cast<unsigned>((rows_total + 3) / 4), 128, 0, ctx.stream>>>(params);
-    return cudaGetLastError();
+    return launch_dependent(ctx, &flash_decode_combine_kernel<Element, kHeadDim>,
+                            dim3(static_cast<unsigned>(rows_total)), dim3(32 * kCombineWarps),
+                            params);
   });
 }
 

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
 #include "cuda/tile_sizes.h"
 #include "jflash/params.h"
@@ -28,7 +29,32 @@ struct LaunchContext {
   // Dynamic shared memory a block may use (the decode launcher sizes its
   // K/V ring to it); 0 where the launcher does not need it.
   int smem_limit = 0;
+  // Whether launch_dependent may let a kernel start before the one ahead of
+  // it in the stream ends (programmatic dependent launch): set for compute
+  // capability 9.0, the one GPU whose code (sm_90a) has the griddepcontrol
+  // instructions; other GPUs run code without them (utils.h).
+  bool programmatic_launch = false;
 };
+
+// Launches `kernel` after the stream's previous kernel, as its programmatic
+// dependent where ctx allows: the grid may start while the previous one
+// runs, and `kernel` must call wait_for_prerequisite_grids (utils.h) before
+// it reads what that grid writes. Elsewhere a plain launch.
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(const LaunchContext& ctx, void (*kernel)(Params...), dim3 grid,
+                             dim3 block, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = 0;
+  config.stream = ctx.stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = ctx.programmatic_launch ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
 
 using FwdLauncher = cudaError_t (*)(const FwdParams&, const LaunchContext&);
 using BwdLauncher = cudaError_t (*)(const BwdParams&, const LaunchContext&);

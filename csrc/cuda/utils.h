@@ -118,6 +118,23 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// Programmatic dependent launch (compute capability 9.0; no-ops in code for
+// older GPUs, whose launches never set the attribute: launch.h,
+// launch_dependent). A grid lets the next kernel of its stream launch early
+// (launch_dependent_grids); that kernel waits at wait_for_prerequisite_grids
+// until every grid it depends on has completed and its writes are visible,
+// and must not read their results before.
+__device__ __forceinline__ void launch_dependent_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisite_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // log2(x) with the single MUFU instruction (log2(0) = -inf).
 __device__ __forceinline__ float fast_log2(float x) {
   float y;

@@ -416,7 +416,8 @@ ffi::Error DecodeCuda(cudaStream_t stream, const ffi_glue::DecodeBuffers& buffer
         ": it was built with JFLASH_CUDA_SUBSET=" JFLASH_CUDA_SUBSET
         "; rebuild with JFLASH_CUDA_SUBSET=all");
   }
-  const cuda::LaunchContext ctx{stream, (*info)->sm_count, 0, smem_limit(**info)};
+  const cuda::LaunchContext ctx{stream, (*info)->sm_count, 0, smem_limit(**info),
+                                /*programmatic_launch=*/(*info)->is_sm90};
   const int rows = decode_rows(params);
   if (const int smem = kernel.smem_bytes(rows, ctx); smem > ctx.smem_limit) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
