@@ -438,13 +438,15 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 //
 // Latency, not bandwidth, bounds this kernel (a few MB at most; 5.4 us of a
 // 23 us call at batch 1 and an 8k cache, H100, when a warp took a whole row
-// and 8 splits per round trip). One CTA per row: its kCombineWarps warps take
-// the splits in turn (warp w: w, w + kCombineWarps, ...), kCombineBatch of
-// them per round trip, so that up to 64 splits take one; a lane holds
-// head_dim / 32 columns. The shares' addresses depend on nothing but the
-// split index: a warp's first batch of share loads goes out with its lse
-// loads. Every warp reads every lse (a lane per split; L2 hits) for the
-// row's lse and the weights, and the warps' sums meet in shared memory.
+// and 8 splits per round trip). A row takes W = combine_warps_per_row(splits)
+// warps (1 to 8) of a CTA's kCombineWarps, which take its splits in turn
+// (warp w: w, w + W, ...), kCombineBatch each per round trip: up to 64
+// splits in one. Fewer warps where there are few splits, so that a call of
+// many rows and few splits keeps a warp per row. A lane holds head_dim / 32
+// columns. The shares' addresses depend on nothing but the split index: a
+// warp's first batch of share loads goes out with its lse loads. Every warp
+// reads every lse of its row (a lane per split; L2 hits) for the row's lse
+// and the weights, and the warps of a row meet in shared memory.
 //
 // Launched as a programmatic dependent of the main kernel where the device
 // takes it (LaunchContext::programmatic_launch): its CTAs start while the
@@ -452,8 +454,13 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 // shares at griddepcontrol.wait rather than at a launch.
 inline constexpr int kCombineWarps = 8;
 inline constexpr int kCombineBatch = 8;
-static_assert(kCombineWarps * kCombineBatch == 64 && 32 % kCombineWarps == 0,
-              "a round's splits take their weights from two lane slots");
+static_assert(32 % kCombineWarps == 0, "a warp's splits of a round stay within a lane slot");
+
+__host__ __device__ constexpr int combine_warps_per_row(int splits) {
+  int warps = 1;
+  while (warps < kCombineWarps && warps * kCombineBatch < splits) warps *= 2;
+  return warps;
+}
 
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(32 * kCombineWarps) flash_decode_combine_kernel(
@@ -461,32 +468,36 @@ __global__ void __launch_bounds__(32 * kCombineWarps) flash_decode_combine_kerne
   constexpr int kPerLane = kHeadDim / 32;
   static_assert(kPerLane % 2 == 0);
   constexpr int kSlots = (kMaxDecodeSplits + 31) / 32;  // splits per lane
-  constexpr int kRound = kCombineWarps * kCombineBatch;  // splits per round trip
-  static_assert(kSlots % 2 == 0, "two lane slots per round");
   __shared__ float partial[kCombineWarps][kHeadDim];
+  const int splits = params.num_splits;
+  const int warps_per_row = combine_warps_per_row(splits);
+  const int rows_per_cta = kCombineWarps / warps_per_row;
+  const int round = warps_per_row * kCombineBatch;  // splits per round trip
   const int64_t rows_total = int64_t{params.batch} * params.num_heads * params.seqlen_q;
-  const int64_t row = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int batch = static_cast<int>(row / (int64_t{params.num_heads} * params.seqlen_q));
-  const int head = static_cast<int>(row / params.seqlen_q % params.num_heads);
-  const int query = static_cast<int>(row % params.seqlen_q);
+  const int part = warp % warps_per_row;  // this warp's place among its row's
+  const int64_t row = int64_t{blockIdx.x} * rows_per_cta + warp / warps_per_row;
+  const bool in_range = row < rows_total;  // no return: every warp meets __syncthreads
+  const int64_t row_safe = in_range ? row : 0;
+  const int batch = static_cast<int>(row_safe / (int64_t{params.num_heads} * params.seqlen_q));
+  const int head = static_cast<int>(row_safe / params.seqlen_q % params.num_heads);
+  const int query = static_cast<int>(row_safe % params.seqlen_q);
   // The call's own inputs, written before the main kernel began.
   const DecodeLengths lens = decode_lengths(params, batch);
   const MaskParams band = decode_band(params, lens.total);
   const IndexRange keys = BandMask(band, batch).row_keys(query, lens.total);
-  const int splits = params.num_splits;
   wait_for_prerequisite_grids();
 
   float o[kPerLane] = {};
   float lse = -INFINITY;
-  if (keys.begin < keys.end) {
-    // Split s of round b, u: s = b * kRound + u * kCombineWarps + warp.
+  if (in_range && keys.begin < keys.end) {
+    // Split s of round b, u: s = b * round + u * warps_per_row + part.
     const float* shares = params.out_partial + row * kHeadDim + lane * kPerLane;
     float2 x[kCombineBatch][kPerLane / 2];
     auto load_round = [&](int b) {
       CUTE_UNROLL
       for (int u = 0; u < kCombineBatch; ++u) {
-        const int s = b * kRound + u * kCombineWarps + warp;
+        const int s = b * round + u * warps_per_row + part;
         const float* share = shares + int64_t{s} * rows_total * kHeadDim;
         CUTE_UNROLL
         for (int c = 0; c < kPerLane / 2; ++c) {
@@ -522,21 +533,19 @@ __global__ void __launch_bounds__(32 * kCombineWarps) flash_decode_combine_kerne
       for (int j = 0; j < kSlots; ++j) {
         weight[j] = weight[j] == -INFINITY ? 0.f : expf(weight[j] - lse);
       }
-      for (int b = 0; b * kRound < splits; ++b) {
+      for (int b = 0; b * round < splits; ++b) {
         if (b > 0) load_round(b);
-        // Round b's splits lie in lane slots 2b (u * kCombineWarps < 32) and
-        // 2b + 1 (kRound = 64), chosen by comparisons rather than an index,
-        // which would put weight[] in local memory.
-        float slot_lo = weight[0], slot_hi = weight[1];
-        CUTE_UNROLL
-        for (int j = 1; j < kSlots / 2; ++j) {
-          slot_lo = b == j ? weight[2 * j] : slot_lo;
-          slot_hi = b == j ? weight[2 * j + 1] : slot_hi;
-        }
         CUTE_UNROLL
         for (int u = 0; u < kCombineBatch; ++u) {
-          const int s = b * kRound + u * kCombineWarps + warp;
-          const float w = __shfl_sync(0xffffffff, u * kCombineWarps < 32 ? slot_lo : slot_hi, s % 32);
+          const int s = b * round + u * warps_per_row + part;
+          // Split s's weight is in lane s % 32, slot s / 32, the same slot
+          // for every part (warps_per_row divides 32); chosen by comparisons
+          // rather than an index, which would put weight[] in local memory.
+          const int slot = (b * round + u * warps_per_row) / 32;
+          float lane_weight = weight[0];
+          CUTE_UNROLL
+          for (int j = 1; j < kSlots; ++j) lane_weight = slot == j ? weight[j] : lane_weight;
+          const float w = __shfl_sync(0xffffffff, lane_weight, s % 32);
           CUTE_UNROLL
           for (int c = 0; c < kPerLane / 2; ++c) {
             o[2 * c] += w * x[u][c].x;
@@ -549,19 +558,25 @@ __global__ void __launch_bounds__(32 * kCombineWarps) flash_decode_combine_kerne
   CUTE_UNROLL
   for (int c = 0; c < kPerLane; ++c) partial[warp][lane * kPerLane + c] = o[c];
   __syncthreads();
-  Element* dst = static_cast<Element*>(params.out) + batch * params.out_batch_stride +
-                 query * params.out_row_stride + head * params.out_head_stride;
-  static_assert(kHeadDim <= 2 * 32 * kCombineWarps, "a thread writes two columns at most");
-  if (const int c = 2 * threadIdx.x; c < kHeadDim) {
+  // A row's parts summed, two columns per thread.
+  constexpr int kPairs = kHeadDim / 2;
+  for (int i = threadIdx.x; i < rows_per_cta * kPairs; i += 32 * kCombineWarps) {
+    const int r = i / kPairs, c = 2 * (i % kPairs);
+    const int64_t out_row = int64_t{blockIdx.x} * rows_per_cta + r;
+    if (out_row >= rows_total) break;
     float a = 0.f, b = 0.f;
-    CUTE_UNROLL
-    for (int w = 0; w < kCombineWarps; ++w) {
+    for (int w = r * warps_per_row; w < (r + 1) * warps_per_row; ++w) {
       a += partial[w][c];
       b += partial[w][c + 1];
     }
-    *reinterpret_cast<uint32_t*>(dst + c) = pack_pair(Element(a), Element(b));
+    const int out_batch = static_cast<int>(out_row / (int64_t{params.num_heads} * params.seqlen_q));
+    const int out_head = static_cast<int>(out_row / params.seqlen_q % params.num_heads);
+    const int out_query = static_cast<int>(out_row % params.seqlen_q);
+    Element* dst = static_cast<Element*>(params.out) + out_batch * params.out_batch_stride +
+                   out_query * params.out_row_stride + out_head * params.out_head_stride + c;
+    *reinterpret_cast<uint32_t*>(dst) = pack_pair(Element(a), Element(b));
   }
-  if (threadIdx.x == 0) params.lse[row] = lse;
+  if (in_range && part == 0 && lane == 0) params.lse[row] = lse;
 }
 
 // The kernel for `rows` rows per kv head: 4 warps across the keys of a tile
@@ -626,9 +641,10 @@ cudaError_t run_flash_decode(const DecodeParams& params, const LaunchContext& ct
       return err;
     }
     const int64_t rows_total = int64_t{params.batch} * params.num_heads * params.seqlen_q;
+    const int64_t rows_per_cta = kCombineWarps / combine_warps_per_row(params.num_splits);
     return launch_dependent(ctx, &flash_decode_combine_kernel<Element, kHeadDim>,
-                            dim3(static_cast<unsigned>(rows_total)), dim3(32 * kCombineWarps),
-                            params);
+                            dim3(static_cast<unsigned>(ceil_div(rows_total, rows_per_cta))),
+                            dim3(32 * kCombineWarps), params);
   });
 }
 
