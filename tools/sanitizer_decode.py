@@ -7,7 +7,7 @@ Each case covers a part of csrc/cuda/flash_decode_sm80.h: contiguous and
 paged caches (blocks of 16 and 256 rows) with the append, lengths that end
 inside a tile, empty caches, block-table ids and cache lengths out of range
 (clamped), both warp layouts (up to 16 rows per kv head, and several 64-row
-blocks), one split and many (the combine kernel), and a window that leaves
+blocks), one split and many (the combine kernel, with 1 to 8 warps per row), and a window that leaves
 splits without a tile.
 """
 
@@ -28,6 +28,7 @@ CASES = (
     ((-3, 10**6), 512, 3, 8, 1, 256, 3, None, None),
     ((500, 31), 512, 16, 16, 2, 16, 16, 3, None),
     ((1000,), 1024, 1, 8, 8, None, 0, 16, (40, 0)),
+    ((3000, 17), 3072, 2, 8, 2, None, 1, 70, None),  # 8 combine warps per row, two rounds
 )
 
 

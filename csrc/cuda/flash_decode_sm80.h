@@ -449,8 +449,9 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 // and the weights, and the warps of a row meet in shared memory.
 //
 // Launched as a programmatic dependent of the main kernel where the device
-// takes it (LaunchContext::programmatic_launch): its CTAs start while the
-// main kernel runs, read the call's lengths, and wait for the main kernel's
+// takes it (LaunchContext::programmatic_launch) and the main kernel is short
+// (kDecodeEarlyCombineMaxTiles, tile_sizes.h): its CTAs start while the main
+// kernel runs, read the call's lengths, and wait for the main kernel's
 // shares at griddepcontrol.wait rather than at a launch.
 inline constexpr int kCombineWarps = 8;
 inline constexpr int kCombineBatch = 8;
@@ -642,7 +643,13 @@ cudaError_t run_flash_decode(const DecodeParams& params, const LaunchContext& ct
     }
     const int64_t rows_total = int64_t{params.batch} * params.num_heads * params.seqlen_q;
     const int64_t rows_per_cta = kCombineWarps / combine_warps_per_row(params.num_splits);
-    return launch_dependent(ctx, &flash_decode_combine_kernel<Element, kHeadDim>,
+    const int64_t tiles = ceil_div(int64_t{params.max_blocks_per_seq} * params.block_size +
+                                       params.seqlen_new,
+                                   int64_t{Traits::kBlockN});
+    LaunchContext combine_ctx = ctx;
+    combine_ctx.programmatic_launch &=
+        ceil_div(tiles, int64_t{params.num_splits}) <= kDecodeEarlyCombineMaxTiles;
+    return launch_dependent(combine_ctx, &flash_decode_combine_kernel<Element, kHeadDim>,
                             dim3(static_cast<unsigned>(ceil_div(rows_total, rows_per_cta))),
                             dim3(32 * kCombineWarps), params);
   });

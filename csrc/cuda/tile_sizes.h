@@ -323,6 +323,16 @@ constexpr DecodeTile decode_tile(int head_dim) {
   }
 }
 
+// The decode combine starts early (a programmatic dependent launch on sm_90a,
+// flash_decode_sm80.h) only where a CTA of the main kernel streams at most
+// this many key tiles. Measured (H100, bfloat16, head dim 128, 64 query heads
+// over 8 kv heads, one call with both, GB/s against no early start): batch 1,
+// 8k cache (4 tiles per CTA) 1614 against 1557; batch 1, 128k (63 tiles)
+// 2690 against 2690; batch 8, 8k (33 tiles) 2458 against 2478; batch 8, 128k
+// (512 tiles) 2677 against 2731. Its CTAs wait beside a long main kernel's
+// and cost it up to 2%; a short call saves the launch.
+constexpr int kDecodeEarlyCombineMaxTiles = 16;
+
 // Deepest ring any entry asks for (the kernel's cp.async wait takes its depth
 // as an immediate, so it branches over 0 .. kMaxDecodeStages - 2).
 constexpr int kMaxDecodeStages = 6;
