@@ -180,7 +180,7 @@ def _assert_within_rule_where_finite(name, kernel, plain, truth, dtype):
     kernel_err = np.max(np.abs(kernel[kernel_finite] - truth[kernel_finite]))
     plain_err = np.max(np.abs(plain[truth_finite] - truth[truth_finite]))
     scale = max(1.0, float(np.max(np.abs(truth[truth_finite]))))
-    bound = 2 * plain_err + FLOOR[jnp.dtype(dtype)] * scale
+    bound = 2 * plain_err + FLOOR[plain_dtype(dtype)] * scale
     assert kernel_err <= bound, f"{name}: kernel error {kernel_err:.3g} > bound {bound:.3g}"
 
 
