@@ -7,8 +7,8 @@ Each case covers a part of csrc/cuda/flash_decode_sm80.h: contiguous and
 paged caches (blocks of 16 and 256 rows) with the append, lengths that end
 inside a tile, empty caches, block-table ids and cache lengths out of range
 (clamped), both warp layouts (up to 16 rows per kv head, and several 64-row
-blocks), one split and many (the combine kernel, with 1 to 8 warps per row), and a window that leaves
-splits without a tile.
+blocks), one split and many (the combine kernel, with 1 to 8 warps per row),
+and a window that leaves splits without a tile.
 """
 
 from __future__ import annotations

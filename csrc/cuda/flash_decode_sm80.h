@@ -479,10 +479,15 @@ __global__ void __launch_bounds__(32 * kCombineWarps) flash_decode_combine_kerne
   const int part = warp % warps_per_row;  // this warp's place among its row's
   const int64_t row = int64_t{blockIdx.x} * rows_per_cta + warp / warps_per_row;
   const bool in_range = row < rows_total;  // no return: every warp meets __syncthreads
+  // Row r is (batch, query head, query), query fastest.
+  auto batch_of = [&](int64_t r) {
+    return static_cast<int>(r / (int64_t{params.num_heads} * params.seqlen_q));
+  };
+  auto head_of = [&](int64_t r) { return static_cast<int>(r / params.seqlen_q % params.num_heads); };
+  auto query_of = [&](int64_t r) { return static_cast<int>(r % params.seqlen_q); };
   const int64_t row_safe = in_range ? row : 0;
-  const int batch = static_cast<int>(row_safe / (int64_t{params.num_heads} * params.seqlen_q));
-  const int head = static_cast<int>(row_safe / params.seqlen_q % params.num_heads);
-  const int query = static_cast<int>(row_safe % params.seqlen_q);
+  const int batch = batch_of(row_safe);
+  const int query = query_of(row_safe);
   // The call's own inputs, written before the main kernel began.
   const DecodeLengths lens = decode_lengths(params, batch);
   const MaskParams band = decode_band(params, lens.total);
@@ -570,11 +575,9 @@ __global__ void __launch_bounds__(32 * kCombineWarps) flash_decode_combine_kerne
       a += partial[w][c];
       b += partial[w][c + 1];
     }
-    const int out_batch = static_cast<int>(out_row / (int64_t{params.num_heads} * params.seqlen_q));
-    const int out_head = static_cast<int>(out_row / params.seqlen_q % params.num_heads);
-    const int out_query = static_cast<int>(out_row % params.seqlen_q);
-    Element* dst = static_cast<Element*>(params.out) + out_batch * params.out_batch_stride +
-                   out_query * params.out_row_stride + out_head * params.out_head_stride + c;
+    Element* dst = static_cast<Element*>(params.out) + batch_of(out_row) * params.out_batch_stride +
+                   query_of(out_row) * params.out_row_stride +
+                   head_of(out_row) * params.out_head_stride + c;
     *reinterpret_cast<uint32_t*>(dst) = pack_pair(Element(a), Element(b));
   }
   if (in_range && part == 0 && lane == 0) params.lse[row] = lse;
@@ -643,9 +646,8 @@ cudaError_t run_flash_decode(const DecodeParams& params, const LaunchContext& ct
     }
     const int64_t rows_total = int64_t{params.batch} * params.num_heads * params.seqlen_q;
     const int64_t rows_per_cta = kCombineWarps / combine_warps_per_row(params.num_splits);
-    const int64_t tiles = ceil_div(int64_t{params.max_blocks_per_seq} * params.block_size +
-                                       params.seqlen_new,
-                                   int64_t{Traits::kBlockN});
+    // A sequence attends over at most the capacity (appended keys included).
+    const int64_t tiles = ceil_div(int64_t{decode_capacity(params)}, int64_t{Traits::kBlockN});
     LaunchContext combine_ctx = ctx;
     combine_ctx.programmatic_launch &=
         ceil_div(tiles, int64_t{params.num_splits}) <= kDecodeEarlyCombineMaxTiles;
