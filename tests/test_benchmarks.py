@@ -260,3 +260,29 @@ def test_gpu_benchmark_value_head_dim_with_feed_out_fwd_is_refused():
                              "--feed", "out", "--modes", "fwd"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 2 and "--feed out" in result.stderr
+
+
+def test_float32_benchmark(tmp_path):
+    out = tmp_path / "float32.json"
+    stdout = _run("float32_benchmark.py", "--allow-cpu", "--shapes", "32:128", "--tokens", 128,
+                  "--model-dim", 64, "--causal", "both", "--target-ms", 1, "--repeats", 1,
+                  "--min-total-s", 0, "--check-rows", 64, "--out", out)
+    payload = json.loads(out.read_text())
+    assert payload["environment"]["jax_version"] and payload["environment"]["jflash_commit"]
+    records = payload["records"]
+    impls = ("jflash_tf32", "jflash_3xtf32", "xla_default", "xla_highest")
+    # 2 causal x 2 modes x 4 impls, every one run, in that order
+    assert [r["impl"] for r in records] == [i for _ in range(4) for i in impls]
+    assert all(r["status"] == "ok" and r["dtype"] == "float32" for r in records), records
+    for r in records:
+        flops = 4 * 1 * 2 * 128 * 128 * 32 * (3.5 if r["mode"] == "fwdbwd" else 1.0)
+        assert r["flops"] == flops / (2 if r["causal"] else 1)
+        assert r["tflops"] == pytest.approx(r["flops"] / r["median_s"] / 1e12)
+        assert r["precision"] == ("highest" if r["impl"].endswith(("3xtf32", "highest"))
+                                  else "default")
+        if r["mode"] == "fwd":  # float32 on CPU: every row is float32-accurate
+            assert 0 <= r["rel_max_err"] < 1e-5
+        else:
+            assert "max_abs_err" not in r
+    header = stdout[stdout.index(" D  seq"):].split("\n")[0]
+    assert "3x/1x" in header and "err xla_highest" in header

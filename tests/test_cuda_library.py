@@ -31,23 +31,34 @@ def test_forward_family_answers():
         assert family == -1
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8])
-def test_forward_family_other_dtypes(dtype):
-    """Only float16 and bfloat16 have CUDA kernels: other dtypes report none."""
-    assert cuda_forward_family(dtype, 128, False) == 0
+def test_forward_family_other_dtypes():
+    """float16, bfloat16 and float32 (at 1 or 3 TF32 passes) have CUDA kernels:
+    other dtypes report none; a pass count other than 1 or 3 is refused."""
+    assert cuda_forward_family(jnp.int8, 128, False) == 0
+    for passes in (1, 3):
+        family = cuda_forward_family(jnp.float32, 128, False, tf32_passes=passes)
+        if not jflash.HAS_CUDA_KERNELS:
+            assert family == 0
+        elif jax.default_backend() == "gpu":  # 0 on GPUs without the float32 kernels
+            assert family in (90, 80, 0)
+        else:
+            assert family == -1
+    with pytest.raises(ValueError, match="tf32_passes must be one of"):
+        cuda_forward_family(jnp.float32, 128, False, tf32_passes=2)
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_kernel_smem_query_answers(direction):
     """Bytes with a GPU (0 if not built); -1 without a device; 0 for other dtypes."""
-    smem = cuda_kernel_smem_bytes(direction, jnp.bfloat16, 128, False)
-    if not jflash.HAS_CUDA_KERNELS:
-        assert smem == 0
-    elif jax.default_backend() == "gpu":
-        assert smem == 0 or 48 * 1024 < smem <= 227 * 1024
-    else:
-        assert smem == -1
-    assert cuda_kernel_smem_bytes(direction, jnp.float32, 128, False) == 0
+    for dtype, passes in ((jnp.bfloat16, 1), (jnp.float32, 1), (jnp.float32, 3)):
+        smem = cuda_kernel_smem_bytes(direction, dtype, 128, False, tf32_passes=passes)
+        if not jflash.HAS_CUDA_KERNELS:
+            assert smem == 0
+        elif jax.default_backend() == "gpu":
+            assert smem == 0 or 48 * 1024 < smem <= 227 * 1024
+        else:
+            assert smem == -1
+    assert cuda_kernel_smem_bytes(direction, jnp.int8, 128, False) == 0
 
 
 def test_kernel_smem_query_rejects_direction():

@@ -154,7 +154,7 @@ def test_rows_without_keys_and_residual(rng, dtype):
     )
     want_out, want_res = jax.nn.dot_product_attention(q, k, v, return_residual=True, **kw)
     assert res.shape == want_res.shape and res.dtype == want_res.dtype
-    atol = 1e-5 if plain_dtype(dtype) == jnp.float32 else 2e-2  # float32 runs as bf16 on GPU
+    atol = 1e-5 if plain_dtype(dtype) == jnp.float32 else 2e-2  # float32: TF32 on GPU
     np.testing.assert_allclose(
         np.asarray(out, np.float32), np.asarray(want_out, np.float32), atol=atol, rtol=atol
     )

@@ -22,10 +22,11 @@ from flax import nnx  # noqa: E402
 
 import jflash.flax  # noqa: E402
 
-# float32 layers: elementwise within 2e-5 on CPU. On GPU jflash computes
-# float32 at bfloat16 precision (README) and Flax's float32 matmuls use TF32, so
-# there the check is of the wiring (same parameters, same math) at bfloat16
-# resolution: each leaf's RMS error under 2e-2 of its own RMS, or of the whole
+# float32 layers: elementwise within 2e-5 on CPU. On GPU jflash's float32 kernels
+# and Flax's float32 matmuls both run TF32 at the default precision, rounding in
+# different places, so there the check is of the wiring (same parameters, same
+# math) at a resolution well above TF32's rounding: each leaf's RMS error under
+# 2e-2 of its own RMS, or of the whole
 # tree's where the leaf's true value is ~0 (the key bias gradient is exactly 0:
 # a constant added to every logit of a row leaves the softmax unchanged, so
 # only rounding noise remains there). The kernels' error rule itself is
@@ -581,3 +582,78 @@ def test_segment_id_errors(rng):
     with pytest.raises(ValueError, match=r"kv_segment_ids must have shape \[batch\.\.\., "
                                          r"length_kv\] = \(2, 24\)"):
         jflash.flax.attention_fn(q, q, q, q_segment_ids=ids, kv_segment_ids=ids[0])
+
+
+# ------------------------------------------------------------------ precision
+
+def _tf32_passes(text):
+    """The tf32_passes attributes of the jflash calls in a lowered program."""
+    import re
+
+    return {int(x) for x in re.findall(r"tf32_passes = (\d+) : i64", text)}
+
+
+@pytest.mark.parametrize("precision, passes", [
+    (None, 1), ("highest", 3), (jax.lax.Precision.HIGH, 1),
+    ((jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST), 3),
+], ids=repr)
+def test_attention_fn_precision_runs_the_kernels(rng, precision, passes):
+    """An explicit precision that jflash maps (jax.lax.Precision, its names, pairs)
+    runs the kernels at that precision, in Flax's layer as in a direct call, with
+    Flax's results."""
+    x, dout = _inputs(rng)
+    ours = nn.MultiHeadDotProductAttention(num_heads=4, precision=precision,
+                                           attention_fn=jflash.flax.attention_fn)
+    theirs = nn.MultiHeadDotProductAttention(num_heads=4, precision=precision)
+    params = theirs.init(jax.random.key(int(rng.integers(1 << 30))), x)["params"]
+    _assert_trees_close(_linen_value_and_grads(ours, params, x, dout),
+                        _linen_value_and_grads(theirs, params, x, dout))
+    lowered = jax.jit(lambda p, x: ours.apply({"params": p}, x)).lower(params, x).as_text()
+    assert "jflash_fwd" in lowered and _tf32_passes(lowered) == {passes}
+
+
+@pytest.mark.parametrize("is_causal", [None, True], ids=["linen", "nnx"])
+def test_attention_fn_unmapped_precision_falls_back(rng, is_causal):
+    """A precision jflash cannot map (a jax.lax.DotAlgorithmPreset, also as
+    jax_default_matmul_precision) is Flax's job: its own function runs, exactly."""
+    q = jnp.asarray(rng.standard_normal((2, 9, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 12, 4, 16)), jnp.float32) for _ in range(2))
+    flax_fn = nn.dot_product_attention if is_causal is None else functools.partial(
+        nnx.dot_product_attention, is_causal=True)
+    fn = functools.partial(jflash.flax.attention_fn, is_causal=is_causal)
+    algorithm = jax.lax.DotAlgorithmPreset.F32_F32_F32
+    assert "jflash_fwd" not in jax.jit(
+        functools.partial(fn, precision=algorithm)).lower(q, k, v).as_text()
+    np.testing.assert_array_equal(fn(q, k, v, precision=algorithm),
+                                  flax_fn(q, k, v, precision=algorithm))
+    with jax.default_matmul_precision("F32_F32_F32"):
+        assert "jflash_fwd" not in jax.jit(fn).lower(q, k, v).as_text()
+        np.testing.assert_array_equal(fn(q, k, v), flax_fn(q, k, v))
+        # An explicit precision that jflash maps still runs the kernels.
+        text = jax.jit(functools.partial(fn, precision="highest")).lower(q, k, v).as_text()
+        assert _tf32_passes(text) == {3}
+
+
+def test_layers_precision(rng):
+    """The layers' precision reaches their projections (as in Flax's layers) and
+    the kernels."""
+    x, _ = _inputs(rng)
+    linen_layer = jflash.flax.linen.MultiHeadAttention(num_heads=4, precision="highest")
+    params = linen_layer.init(jax.random.key(0), x)["params"]
+    text = jax.jit(lambda p, x: linen_layer.apply({"params": p}, x)).lower(params, x).as_text()
+    assert _tf32_passes(text) == {3} and "HIGHEST" in text
+    plain = jflash.flax.linen.MultiHeadAttention(num_heads=4)
+    np.testing.assert_allclose(linen_layer.apply({"params": params}, x),
+                               plain.apply({"params": params}, x), **TOL)
+    text = jax.jit(lambda p, x: plain.apply({"params": p}, x)).lower(params, x).as_text()
+    assert _tf32_passes(text) == {1} and "HIGHEST" not in text
+
+    nnx_layer = jflash.flax.nnx.MultiHeadAttention(num_heads=4, in_features=48,
+                                                   precision=jax.lax.Precision.HIGHEST,
+                                                   rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(nnx_layer)
+    text = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, x).as_text()
+    assert _tf32_passes(text) == {3} and "HIGHEST" in text
+    with pytest.raises(ValueError, match="low"):  # the projections' check (jax's) comes first
+        jflash.flax.linen.MultiHeadAttention(num_heads=4, precision="low").init(
+            jax.random.key(0), x)

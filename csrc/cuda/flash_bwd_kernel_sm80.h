@@ -17,7 +17,8 @@
 //
 // Shared memory holds K, V (whole CTA), the Q and dO tiles of the current step
 // (two buffers where the tile table allows: the next step's tiles stream in
-// during the whole step), and P, dS as half-precision operands.
+// during the whole step), and P, dS as operands in the input dtype. float32
+// inputs run the same kernel on TF32 MMAs (kernel_traits_sm80.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -247,11 +248,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // S = Q K^T and dP = dO V^T   (block_m x block_n)
     Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
-    gemm_ss(acc_s, tSrQ, tSrK, at_stage(tSsQ, stage), tSsK, tiled_mma_sdp, smem_tiled_copy_QdO,
+    gemm_ss<Traits::kTf32Passes>(acc_s, tSrQ, tSrK, at_stage(tSsQ, stage), tSsK, tiled_mma_sdp, smem_tiled_copy_QdO,
             smem_thr_copy_QdO, smem_tiled_copy_KV, smem_thr_copy_KV);
     Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_dp);
-    gemm_ss(acc_dp, tdPrdO, tdPrV, at_stage(tdPsdO, stage), tdPsV, tiled_mma_sdp,
+    gemm_ss<Traits::kTf32Passes>(acc_dp, tdPrdO, tdPrV, at_stage(tdPsdO, stage), tdPsV, tiled_mma_sdp,
             smem_tiled_copy_QdO, smem_thr_copy_QdO, smem_tiled_copy_KV, smem_thr_copy_KV);
 
     // P = exp2(S * scale_log2 - lse_log2), dS = P * (dP - delta); masked
@@ -278,7 +279,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       for (int c = 0; c < size<1>(s); ++c) {
         // Softcap: the capped score t, recomputed from S here rather than kept.
         const float score = kScore == ScoreKind::kSoftcap
-                                ? fast_tanh(s(r, c) * params.softcap_scale)
+                                ? softcap_tanh<Element>(s(r, c) * params.softcap_scale)
                                 : s(r, c);
         float p = fast_exp2(score * params.softmax_scale_log2 - lse_log2[r]);
         float ds = p * (dp(r, c) - delta[r]);
@@ -298,18 +299,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         dp(r, c) = ds;
       }
     }
-    Tensor p_half = convert_fragment<Element>(acc_s);
-    copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(p_half), tPsP);
-    Tensor ds_half = convert_fragment<Element>(acc_dp);
-    copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(ds_half), tdSsdS);
+    Tensor p_operand = convert_fragment<Element>(acc_s);
+    copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(p_operand), tPsP);
+    Tensor ds_operand = convert_fragment<Element>(acc_dp);
+    copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(ds_operand), tdSsdS);
     __syncthreads();  // P, dS visible
 
     // dV += P^T dO   (block_n x head_dim)
-    gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_stage(tdVsdOt, stage), tiled_mma_dkv,
+    gemm_ss<Traits::kTf32Passes>(acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_stage(tdVsdOt, stage), tiled_mma_dkv,
             smem_tiled_copy_PdSt, smem_thr_copy_PdSt, smem_tiled_copy_QdOt, smem_thr_copy_QdOt);
 
     // dK += dS^T Q   (block_n x head_dim)
-    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, stage), tiled_mma_dkv,
+    gemm_ss<Traits::kTf32Passes>(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, stage), tiled_mma_dkv,
             smem_tiled_copy_PdSt, smem_thr_copy_PdSt, smem_tiled_copy_QdOt, smem_thr_copy_QdOt);
     if constexpr (kQStages == 1) {
       // One buffer: the next Q and dO load only once every warp is done with
@@ -324,7 +325,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // dQ_accum += dS K   (block_m x head_dim, float32 atomics; scaled in kernel 3)
     Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     clear(acc_dq);
-    gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq, smem_tiled_copy_dS,
+    gemm_ss<Traits::kTf32Passes>(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq, smem_tiled_copy_dS,
             smem_thr_copy_dS, smem_tiled_copy_Kt, smem_thr_copy_Kt);
     float* dq_accum = params.dq_accum + row_offset * kHeadDim;
     // Deterministic mode: the earlier key blocks of this query block add first.
@@ -362,11 +363,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       batch, kv_head, params, Int<kHeadDim>{});
 }
 
-// The score kind comes last: the plain kernels' instantiation files predate it.
+// The score kind comes last but one: the plain kernels' instantiation files
+// predate it; the float32 kernels' passes (kernel_traits_sm80.h) last.
 template <typename Element, int kHeadDim, typename Mask, SmemClass kSmem = SmemClass::kLarge,
-          ScoreKind kScore = ScoreKind::kPlain>
+          ScoreKind kScore = ScoreKind::kPlain, int kTf32Passes = 1>
 cudaError_t run_flash_bwd(const BwdParams& params, const LaunchContext& ctx) {
-  using Traits = BwdTraitsSm80<Element, kHeadDim, kSmem>;
+  using Traits = BwdTraitsSm80<Element, kHeadDim, kSmem, kTf32Passes>;
   if (cudaError_t err = launch_bwd_preprocess<Element, kHeadDim>(params, ctx); err != cudaSuccess) {
     return err;
   }

@@ -19,11 +19,12 @@ using namespace cute;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // delta = rowsum(dO * O) - dlse, one warp per (batch, head, query row), in the
-// row order of delta. head_dim / 8 lanes each read 16 bytes of dO and O (the
+// row order of delta. Lanes each read 16 bytes of dO and O at a time (the
 // call's head_dim: a Hopper kernel of a wider kHeadDim may run it).
 template <typename Element, int kHeadDim>
 __global__ void flash_bwd_delta_kernel(const __grid_constant__ BwdParams params) {
-  const int chunks = min(kHeadDim, params.head_dim) / 8;
+  constexpr int kChunk = 16 / int(sizeof(Element));  // elements per 16 bytes
+  const int chunks = min(kHeadDim, params.head_dim) / kChunk;
   constexpr int kWarpsPerBlock = 8;
   const int lane = threadIdx.x % 32;
   const int64_t num_rows = int64_t{params.batch} * params.num_heads * params.seqlen_q;
@@ -39,12 +40,12 @@ __global__ void flash_bwd_delta_kernel(const __grid_constant__ BwdParams params)
                          head * params.dout_head_stride;
     float dot = 0.f;
     for (int c = lane; c < chunks; c += 32) {
-      const uint4 o_chunk = *reinterpret_cast<const uint4*>(o + c * 8);
-      const uint4 do_chunk = *reinterpret_cast<const uint4*>(d_o + c * 8);
-      const Element* o8 = reinterpret_cast<const Element*>(&o_chunk);
-      const Element* do8 = reinterpret_cast<const Element*>(&do_chunk);
+      const uint4 o_chunk = *reinterpret_cast<const uint4*>(o + c * kChunk);
+      const uint4 do_chunk = *reinterpret_cast<const uint4*>(d_o + c * kChunk);
+      const Element* o_values = reinterpret_cast<const Element*>(&o_chunk);
+      const Element* do_values = reinterpret_cast<const Element*>(&do_chunk);
       CUTE_UNROLL
-      for (int e = 0; e < 8; ++e) dot += float(o8[e]) * float(do8[e]);
+      for (int e = 0; e < kChunk; ++e) dot += float(o_values[e]) * float(do_values[e]);
     }
     CUTE_UNROLL
     for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffff, dot, offset);
@@ -52,13 +53,18 @@ __global__ void flash_bwd_delta_kernel(const __grid_constant__ BwdParams params)
   }
 }
 
-// s * acc stored as four Elements (8 bytes) at dst: the convert kernels' store.
+// s * acc stored as four Elements (8 bytes, or 16 for float32) at dst: the
+// convert kernels' store.
 template <typename Element>
 __device__ __forceinline__ void store_scaled4(Element* dst, float4 acc, float s) {
-  uint2 packed;
-  packed.x = pack_pair(Element(acc.x * s), Element(acc.y * s));
-  packed.y = pack_pair(Element(acc.z * s), Element(acc.w * s));
-  *reinterpret_cast<uint2*>(dst) = packed;
+  if constexpr (sizeof(Element) == 4) {
+    *reinterpret_cast<float4*>(dst) = make_float4(acc.x * s, acc.y * s, acc.z * s, acc.w * s);
+  } else {
+    uint2 packed;
+    packed.x = pack_pair(Element(acc.x * s), Element(acc.y * s));
+    packed.y = pack_pair(Element(acc.z * s), Element(acc.w * s));
+    *reinterpret_cast<uint2*>(dst) = packed;
+  }
 }
 
 // dq[b, i, h, :] = softmax_scale * dq_accum[b, h, i, :], four values per thread.
@@ -186,7 +192,7 @@ __device__ __forceinline__ void dq_semaphore_signal(int* semaphore) {
 // past out_cols (as store_output's: a static out_cols is the tile's width, a
 // dynamic one the call's head dim where a wider kernel runs it). coords: the
 // (key, head-dim column) of each accumulator element; elements 2i, 2i+1 are
-// adjacent columns (4-byte stores; head dims are multiples of 8).
+// adjacent columns (one store_pair each; head dims are multiples of 8).
 template <typename Element, typename AccDK, typename AccDV, typename Coords, typename OutCols>
 __device__ __forceinline__ void store_dk_dv(AccDK& acc_dk, AccDV const& acc_dv,
                                             Coords const& coords, int key0, int batch,
@@ -207,10 +213,8 @@ __device__ __forceinline__ void store_dk_dv(AccDK& acc_dk, AccDV const& acc_dv,
     bool in_cols = true;
     if constexpr (!is_static<OutCols>::value) in_cols = col < out_cols;
     if (key < params.seqlen_k && in_cols) {
-      *reinterpret_cast<uint32_t*>(dk_ptr + key * params.dk_row_stride + col) =
-          pack_pair(dk(i), dk(i + 1));
-      *reinterpret_cast<uint32_t*>(dv_ptr + key * params.dv_row_stride + col) =
-          pack_pair(dv(i), dv(i + 1));
+      store_pair(dk_ptr + key * params.dk_row_stride + col, dk(i), dk(i + 1));
+      store_pair(dv_ptr + key * params.dv_row_stride + col, dv(i), dv(i + 1));
     }
   }
 }

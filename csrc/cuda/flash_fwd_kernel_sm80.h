@@ -1,5 +1,6 @@
 // Forward: out, lse <- softmax(scale * Q K^T) V, one CTA per (query block, head, batch).
-// With softcap (kScore, jflash/score.h) the scores are capped first.
+// With softcap (kScore, jflash/score.h) the scores are capped first. float32
+// inputs run the same kernel on TF32 MMAs (kernel_traits_sm80.h).
 //
 // Per CTA (FlashAttention-2, Algorithm 1):
 //   load the Q tile (block_m x head_dim) once;
@@ -99,14 +100,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto thr_mma = tiled_mma.get_thread_slice(tidx);
   Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
   Tensor tSrK = thr_mma.partition_fragment_B(sK);
-  Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);
+  typename Traits::TiledMmaPV tiled_mma_pv;
+  auto thr_mma_pv = tiled_mma_pv.get_thread_slice(tidx);
+  Tensor tOrVt = thr_mma_pv.partition_fragment_B(sVtNoSwizzle);
   auto smem_tiled_copy_Q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
   auto smem_thr_copy_Q = smem_tiled_copy_Q.get_thread_slice(tidx);
   Tensor tSsQ = smem_thr_copy_Q.partition_S(sQ);
   auto smem_tiled_copy_K = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
   auto smem_thr_copy_K = smem_tiled_copy_K.get_thread_slice(tidx);
   Tensor tSsK = smem_thr_copy_K.partition_S(sK);
-  auto smem_tiled_copy_V = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
+  auto smem_tiled_copy_V =
+      make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_pv);
   auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(tidx);
   Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);
 
@@ -157,7 +161,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     cp_async_fence();
 
     // S = Q K^T   (block_m x block_n)
-    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_thr_copy_Q,
+    gemm_ss<Traits::kTf32Passes>(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_thr_copy_Q,
             smem_tiled_copy_K, smem_thr_copy_K);
 
     // Scale into the log2 domain first, then mask: this is correct for any sign
@@ -167,7 +171,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     CUTE_UNROLL
     for (int i = 0; i < size(s); ++i) {
-      if constexpr (kScore == ScoreKind::kSoftcap) s(i) = fast_tanh(s(i) * params.softcap_scale);
+      if constexpr (kScore == ScoreKind::kSoftcap) s(i) = softcap_tanh<Element>(s(i) * params.softcap_scale);
       s(i) *= params.softmax_scale_log2;
     }
     if constexpr (Mask::kHasSegments) {
@@ -207,10 +211,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // Online softmax (rows live in one quad of lanes), O rescaled.
     online_softmax(s, o_rc, row_max, row_sum);
 
-    // O += P V   (P converted in registers to the A-operand layout)
-    Tensor p = convert_fragment<Element>(acc_s);
-    Tensor tOrP = make_tensor(p.data(), acc_as_a_operand(p.layout()));
-    gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
+    // O += P V   (P converted in registers to the A-operand layout; float32
+    // reads the accumulator in place)
+    if constexpr (Traits::kIsFloat32) {
+      Tensor tOrP = make_tensor(acc_s.data(), acc_as_tf32_a_operand(acc_s.layout()));
+      gemm_rs<Traits::kTf32Passes>(acc_o, tOrP, tOrVt, tOsVt, tiled_mma_pv, smem_tiled_copy_V,
+                                   smem_thr_copy_V);
+    } else {
+      Tensor p = convert_fragment<Element>(acc_s);
+      Tensor tOrP = make_tensor(p.data(), acc_as_a_operand(p.layout()));
+      gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma_pv, smem_tiled_copy_V, smem_thr_copy_V);
+    }
   }
 
   // Epilogue: O /= rowsum, lse, O stored.
@@ -225,11 +236,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       params.out_row_stride, Int<kHeadDim>{}, row_seen);
 }
 
-// The score kind comes last: the plain kernels' instantiation files predate it.
+// The score kind comes last but one: the plain kernels' instantiation files
+// predate it; the float32 kernels' passes (kernel_traits_sm80.h) last.
 template <typename Element, int kHeadDim, typename Mask, SmemClass kSmem = SmemClass::kLarge,
-          ScoreKind kScore = ScoreKind::kPlain>
+          ScoreKind kScore = ScoreKind::kPlain, int kTf32Passes = 1>
 cudaError_t run_flash_fwd(const FwdParams& params, const LaunchContext& ctx) {
-  using Traits = FwdTraitsSm80<Element, kHeadDim, kSmem>;
+  using Traits = FwdTraitsSm80<Element, kHeadDim, kSmem, kTf32Passes>;
   auto kernel = &flash_fwd_kernel<Traits, Mask, kScore>;
   constexpr int kSmemBytes = Traits::kSmemBytes;
   if constexpr (kSmemBytes > 48 * 1024) {

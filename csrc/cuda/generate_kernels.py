@@ -54,6 +54,31 @@ DTYPES = {
     "fp16": ("cutlass::half_t", "kFloat16"),
     "bf16": ("cutlass::bfloat16_t", "kBFloat16"),
 }
+# The float32 kernels: the sm80 forward and backward on TF32 MMAs, one file per
+# precision ("tf32": one pass, "tf32x3": three; jflash/params.h, tf32_passes),
+# for FLOAT32_HEAD_DIMS and every mask and score kind, in the kLarge tile column
+# only (tile_sizes.h, fwd_tile_float32). They run on Hopper too, so cuda.cmake
+# compiles them for every arch of the build.
+FLOAT32_HEAD_DIMS = _head_dims("kFloat32HeadDims")
+FLOAT32_PASSES = {"tf32": 1, "tf32x3": 3}
+FLOAT32_DIRECTIONS = {
+    "fwd": (
+        "cuda/flash_fwd_kernel_sm80.h",
+        "register_fwd_kernel(DType::kFloat32, {head_dim}, MaskKind::{mask_kind},\n"
+        "    FwdKernel{{&run_flash_fwd<float, {head_dim}, {mask_policy}, SmemClass::kLarge,\n"
+        "                              ScoreKind::{score_kind}, {passes}>,\n"
+        "              FwdTraitsSm80<float, {head_dim}, SmemClass::kLarge, {passes}>::kSmemBytes}},\n"
+        "    SmemClass::kLarge, ScoreKind::{score_kind}, {passes})",
+    ),
+    "bwd": (
+        "cuda/flash_bwd_kernel_sm80.h",
+        "register_bwd_kernel(DType::kFloat32, {head_dim}, MaskKind::{mask_kind},\n"
+        "    BwdKernel{{&run_flash_bwd<float, {head_dim}, {mask_policy}, SmemClass::kLarge,\n"
+        "                              ScoreKind::{score_kind}, {passes}>,\n"
+        "              BwdTraitsSm80<float, {head_dim}, SmemClass::kLarge, {passes}>::kSmemBytes}},\n"
+        "    SmemClass::kLarge, ScoreKind::{score_kind}, {passes})",
+    ),
+}
 # The mask policies of csrc/include/jflash/mask.h, one instantiation each:
 # name in the file name: (policy type, MaskKind). "full": NoMask, for calls whose
 # band removes nothing (only the sequence-end residual is masked); "band":
@@ -189,6 +214,16 @@ def main() -> None:
                     element=element, dtype_enum=dtype_enum, head_dim=head_dim,
                     mask_policy=mask_policy, mask_kind=mask_kind,
                     score=_score_argument(direction, softcap))))
+    for direction, (header, registration) in FLOAT32_DIRECTIONS.items():
+        for dtype, passes in FLOAT32_PASSES.items():
+            for head_dim, (mask, (mask_policy, mask_kind)), softcap in itertools.product(
+                    FLOAT32_HEAD_DIMS, MASKS.items(), (False, True)):
+                if softcap and mask not in SOFTCAP_MASKS:
+                    continue
+                stem = instantiation_name(direction, dtype, head_dim, mask, softcap)
+                wanted.add(_write(out_dir, stem, header, registration.format(
+                    head_dim=head_dim, mask_policy=mask_policy, mask_kind=mask_kind,
+                    score_kind="kSoftcap" if softcap else "kPlain", passes=passes)))
     for stale in out_dir.glob("*.cu"):
         if stale.name not in wanted:
             stale.unlink()

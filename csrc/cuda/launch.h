@@ -87,15 +87,17 @@ struct DecodeKernel {
 };
 DecodeKernel& decode_kernel_slot(DType dtype, int head_dim);
 
-// Registry slots, keyed by (dtype, head dim, mask kind, score kind); head_dim
+// Registry slots, keyed by (dtype, head dim, mask kind, score kind) and, for
+// float32, the TF32 passes (1 or 3; jflash/params.h, tf32_passes); head_dim
 // is one of kKernelHeadDims (jflash/head_dims.h). Return nullptr-launch
 // entries for instantiations that were not compiled. SmemClass::kSmall slots
 // hold the sm80 kernels of the small-shared-memory tile column (tile_sizes.h),
-// filled only for head dims whose kLarge tile needs more than 99 KB.
+// filled only for head dims whose kLarge tile needs more than 99 KB (float32
+// has none).
 FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, ScoreKind score,
-                           SmemClass smem = SmemClass::kLarge);
+                           SmemClass smem = SmemClass::kLarge, int tf32_passes = 1);
 BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, ScoreKind score,
-                           SmemClass smem = SmemClass::kLarge);
+                           SmemClass smem = SmemClass::kLarge, int tf32_passes = 1);
 
 // The Hopper kernels (csrc/cuda/sm90/), chosen on compute capability 9.0.
 FwdKernel& sm90_fwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, ScoreKind score);
@@ -253,14 +255,14 @@ inline bool register_decode_kernel(DType dtype, int head_dim, DecodeKernel kerne
 
 inline bool register_fwd_kernel(DType dtype, int head_dim, MaskKind mask, FwdKernel kernel,
                                 SmemClass smem = SmemClass::kLarge,
-                                ScoreKind score = ScoreKind::kPlain) {
-  fwd_kernel_slot(dtype, head_dim, mask, score, smem) = kernel;
+                                ScoreKind score = ScoreKind::kPlain, int tf32_passes = 1) {
+  fwd_kernel_slot(dtype, head_dim, mask, score, smem, tf32_passes) = kernel;
   return true;
 }
 inline bool register_bwd_kernel(DType dtype, int head_dim, MaskKind mask, BwdKernel kernel,
                                 SmemClass smem = SmemClass::kLarge,
-                                ScoreKind score = ScoreKind::kPlain) {
-  bwd_kernel_slot(dtype, head_dim, mask, score, smem) = kernel;
+                                ScoreKind score = ScoreKind::kPlain, int tf32_passes = 1) {
+  bwd_kernel_slot(dtype, head_dim, mask, score, smem, tf32_passes) = kernel;
   return true;
 }
 

@@ -10,11 +10,15 @@ namespace {
 constexpr int kNumHeadDims = kNumKernelHeadDims;
 
 // Callers pass one of kKernelHeadDims (the handlers check KernelHeadDim first),
-// a MaskKind and a ScoreKind.
-constexpr int kNumSlots = 2 * kNumHeadDims * kNumMaskKinds * kNumScoreKinds;
+// a MaskKind and a ScoreKind. Four element kinds: float16, bfloat16, and
+// float32 with one or three TF32 passes.
+constexpr int kNumElementKinds = 4;
+constexpr int kNumSlots = kNumElementKinds * kNumHeadDims * kNumMaskKinds * kNumScoreKinds;
 
-int slot_index(DType dtype, int head_dim, MaskKind mask, ScoreKind score) {
-  const int dtype_index = dtype == DType::kBFloat16 ? 1 : 0;
+int slot_index(DType dtype, int head_dim, MaskKind mask, ScoreKind score, int tf32_passes = 1) {
+  const int dtype_index = dtype == DType::kFloat32 ? (tf32_passes == 3 ? 3 : 2)
+                          : dtype == DType::kBFloat16 ? 1
+                                                      : 0;
   const int kind = static_cast<int>(mask) * kNumScoreKinds + static_cast<int>(score);
   return (dtype_index * kNumHeadDims + kernel_head_dim_index(head_dim)) * kNumMaskKinds *
              kNumScoreKinds +
@@ -24,10 +28,11 @@ int slot_index(DType dtype, int head_dim, MaskKind mask, ScoreKind score) {
 }  // namespace
 
 FwdKernel& fwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, ScoreKind score,
-                           SmemClass smem) {
+                           SmemClass smem, int tf32_passes) {
   static FwdKernel large[kNumSlots];
   static FwdKernel small[kNumSlots];
-  return (smem == SmemClass::kSmall ? small : large)[slot_index(dtype, head_dim, mask, score)];
+  return (smem == SmemClass::kSmall ? small
+                                    : large)[slot_index(dtype, head_dim, mask, score, tf32_passes)];
 }
 
 FwdKernel& sm90_fwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, ScoreKind score) {
@@ -41,10 +46,11 @@ BwdKernel& sm90_bwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, ScoreK
 }
 
 BwdKernel& bwd_kernel_slot(DType dtype, int head_dim, MaskKind mask, ScoreKind score,
-                           SmemClass smem) {
+                           SmemClass smem, int tf32_passes) {
   static BwdKernel large[kNumSlots];
   static BwdKernel small[kNumSlots];
-  return (smem == SmemClass::kSmall ? small : large)[slot_index(dtype, head_dim, mask, score)];
+  return (smem == SmemClass::kSmall ? small
+                                    : large)[slot_index(dtype, head_dim, mask, score, tf32_passes)];
 }
 
 DecodeKernel& decode_kernel_slot(DType dtype, int head_dim) {

@@ -39,9 +39,26 @@ struct FwdTile {
   }
 };
 
-// smem = (block_m + 2 * block_n) * head_dim * 2 bytes (Q, one K and one V tile;
-// fwd_smem_bytes below).
-constexpr FwdTile fwd_tile(int head_dim, SmemClass smem = SmemClass::kLarge) {
+// smem = (block_m + 2 * block_n) * head_dim * element bytes (Q, one K and one V
+// tile; fwd_smem_bytes below).
+//
+// float32 (element_bytes 4; TF32 MMAs, m16n8k8): one column, for GPUs with
+// >= 163 KB per block (the float32 kernels have no kSmall entry), head dims
+// 64, 128 and 256 (head_dims.h, kFloat32HeadDims). Twice the bytes per
+// element and, with 3xTF32, high and low operand fragments: 16 query rows per
+// warp from head dim 128 on, where 32 would need more than 255 registers.
+constexpr FwdTile fwd_tile_float32(int head_dim) {
+  switch (head_dim) {
+    case 64: return {128, 64, 4};   // 64 KB
+    case 128: return {64, 64, 4};   // 96 KB: two CTAs per SM on sm90
+    case 256: return {64, 32, 4};   // 128 KB
+    default: return {0, 0, 0};
+  }
+}
+
+constexpr FwdTile fwd_tile(int head_dim, SmemClass smem = SmemClass::kLarge,
+                           int element_bytes = 2) {
+  if (element_bytes == 4) return fwd_tile_float32(head_dim);
   if (smem == SmemClass::kSmall) {
     switch (head_dim) {
       // 128 + 2 * 64 rows would need 112 / 128 KB: 64 query rows and 4 warps
@@ -100,11 +117,25 @@ struct BwdTile {
   }
 };
 
-// smem = (2 * block_n + 2 * q_stages * block_m) * head_dim * 2
-//        + 2 * block_m * block_n * 2 bytes
-// (K, V, Q and dO tiles, then P and dS as half-precision operands of the dV, dK
-// and dQ products; bwd_smem_bytes below).
-constexpr BwdTile bwd_tile(int head_dim, SmemClass smem = SmemClass::kLarge) {
+// smem = ((2 * block_n + 2 * q_stages * block_m) * head_dim
+//         + 2 * block_m * block_n) * element bytes
+// (K, V, Q and dO tiles, then P and dS as operands of the dV, dK and dQ
+// products, in the input dtype; bwd_smem_bytes below).
+//
+// float32 (as for the forward): one Q/dO stage, and fewer keys per CTA than
+// the 16-bit tiles, to fit 163 KB (160 / 160 / 136 KB).
+constexpr BwdTile bwd_tile_float32(int head_dim) {
+  switch (head_dim) {
+    case 64: return {64, 128, 8, 1, 2, 4, 2};
+    case 128: return {64, 64, 8, 1, 2, 4, 2};
+    case 256: return {32, 32, 4, 1, 2, 2, 2};
+    default: return {0, 0, 0, 0, 0, 0, 0};
+  }
+}
+
+constexpr BwdTile bwd_tile(int head_dim, SmemClass smem = SmemClass::kLarge,
+                           int element_bytes = 2) {
+  if (element_bytes == 4) return bwd_tile_float32(head_dim);
   if (smem == SmemClass::kSmall) {
     switch (head_dim) {
       // 64 keys per CTA (two Q/dO stages: 88 KB; one stage from head dim 128 on:
@@ -142,14 +173,15 @@ constexpr BwdTile bwd_tile(int head_dim, SmemClass smem = SmemClass::kLarge) {
   }
 }
 
-// Dynamic shared memory of the sm80 kernels for a tile, in bytes (16-bit
-// elements; kernel_traits_sm80.h asserts that its layouts add up to the same).
-constexpr int fwd_smem_bytes(const FwdTile& t, int head_dim) {
-  return (t.block_m + 2 * t.block_n) * head_dim * 2;
+// Dynamic shared memory of the sm80 kernels for a tile, in bytes
+// (kernel_traits_sm80.h asserts that its layouts add up to the same).
+constexpr int fwd_smem_bytes(const FwdTile& t, int head_dim, int element_bytes = 2) {
+  return (t.block_m + 2 * t.block_n) * head_dim * element_bytes;
 }
-constexpr int bwd_smem_bytes(const BwdTile& t, int head_dim) {
-  return (2 * t.block_n + 2 * t.q_stages * t.block_m) * head_dim * 2 +
-         2 * t.block_m * t.block_n * 2;
+constexpr int bwd_smem_bytes(const BwdTile& t, int head_dim, int element_bytes = 2) {
+  return ((2 * t.block_n + 2 * t.q_stages * t.block_m) * head_dim +
+          2 * t.block_m * t.block_n) *
+         element_bytes;
 }
 
 // Whether a head dim has a distinct kSmall tile (and so a "small" instantiation).
@@ -349,10 +381,12 @@ constexpr int decode_smem_bytes(int head_dim, int block_m, int stages) {
 constexpr bool segment_block_divides_tiles() {
   for (int d : kSegmentHeadDims) {
     for (SmemClass c : {SmemClass::kLarge, SmemClass::kSmall}) {
-      const FwdTile f = fwd_tile(d, c);
-      const BwdTile b = bwd_tile(d, c);
-      if (f.block_m % kSegmentBlock || f.block_n % kSegmentBlock) return false;
-      if (b.block_m % kSegmentBlock || b.block_n % kSegmentBlock) return false;
+      for (int bytes : {2, 4}) {
+        const FwdTile f = fwd_tile(d, c, bytes);
+        const BwdTile b = bwd_tile(d, c, bytes);
+        if (f.block_m % kSegmentBlock || f.block_n % kSegmentBlock) return false;
+        if (b.block_m % kSegmentBlock || b.block_n % kSegmentBlock) return false;
+      }
     }
     for (const Sm90FwdTile& t : {sm90_fwd_tile(d), sm90_fwd_tile_short_band(d)}) {
       if (t.block_m % kSegmentBlock || t.block_n % kSegmentBlock) return false;

@@ -15,12 +15,118 @@ namespace jflash::cuda {
 
 using namespace cute;
 
+// float32 operands on the tensor cores (the float32 kernels). TF32 keeps
+// float32's 8 exponent bits and 10 of its 23 mantissa bits, and the MMA reads
+// only those bits of each 32-bit register: cvt.rna rounds to the nearest TF32
+// value first, which halves the error of the MMA's truncation.
+__device__ __forceinline__ float round_to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return __uint_as_float(r);
+}
+
+// Rounds a register fragment of 32-bit elements to TF32 in place.
+template <typename Fragment>
+__device__ __forceinline__ void round_fragment_to_tf32(Fragment&& frag) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(frag); ++i) {
+    float& x = reinterpret_cast<float&>(frag(i));
+    x = round_to_tf32(x);
+  }
+}
+
+// Splits a register fragment of 32-bit elements into TF32 high parts (in
+// place) and low parts (lo): x = hi + lo + r with |r| about 2^-22 |x|. The
+// low part of an infinite or NaN element is 0 (x - hi would be NaN), so that
+// the three products keep float32's Inf and NaN.
+template <typename Fragment, typename FragmentLo>
+__device__ __forceinline__ void split_fragment_tf32(Fragment&& frag, FragmentLo& lo) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(frag); ++i) {
+    float& x = reinterpret_cast<float&>(frag(i));
+    const float hi = round_to_tf32(x);
+    const float rest = x - hi;
+    reinterpret_cast<float&>(lo(i)) = rest == rest ? round_to_tf32(rest) : 0.f;
+    x = hi;
+  }
+}
+
+// acc += A B^T for one k-slice of register fragments. 16-bit elements: one
+// MMA. 32-bit elements (m16n8k8 TF32): kPasses 1 rounds both operands to TF32;
+// 3 is 3xTF32, lo(A) hi(B) + hi(A) lo(B) + hi(A) hi(B), the small terms first
+// (lo * lo is below float32's rounding): float32-class products at three times
+// the tensor work. The fragments are consumed (rounded in place).
+template <int kPasses, typename TiledMma, typename FragA, typename FragB, typename Acc>
+__device__ __forceinline__ void mma_slice(TiledMma const& tiled_mma, FragA&& a, FragB&& b,
+                                          Acc& acc) {
+  using ElementA = typename std::decay_t<FragA>::value_type;
+  if constexpr (sizeof(ElementA) == 2) {
+    cute::gemm(tiled_mma, a, b, acc);
+  } else if constexpr (kPasses == 1) {
+    round_fragment_to_tf32(a);
+    round_fragment_to_tf32(b);
+    cute::gemm(tiled_mma, a, b, acc);
+  } else {
+    static_assert(kPasses == 3, "float32 products take 1 or 3 TF32 passes");
+    // A's low parts for the whole slice (a few registers: MMA_M atoms), B's
+    // for kGroup n8 columns at a time: a slice's B is up to 64 registers at
+    // head dim 256, too many to hold twice beside the accumulators. The three
+    // passes of a group add into a zeroed partial sum, which one rounded
+    // float32 add then takes into acc: the MMA's own accumulation truncates
+    // (measured: 3-20x XLA's float32 error when the passes added straight
+    // into a long row's accumulator), and a partial sum bounds that error by
+    // one slice's magnitude. Each pass runs over the group's columns, so that
+    // consecutive MMAs add into different sums (they would otherwise wait on
+    // each other's latency).
+    auto a_lo = make_fragment_like(a);
+    split_fragment_tf32(a, a_lo);
+    constexpr int kN = decltype(size<1>(b))::value;
+    constexpr int kM = decltype(size<1>(a))::value;
+    constexpr int kGroup = kN % (4 / (kM < 4 ? kM : 4)) == 0 ? 4 / (kM < 4 ? kM : 4) : 1;
+    CUTE_UNROLL
+    for (int n0 = 0; n0 < kN; n0 += kGroup) {
+      using BLo = decltype(make_fragment_like(b(_, 0)));
+      using Sum = decltype(make_fragment_like(acc(_, 0, 0)));
+      BLo lo[kGroup];
+      Sum sum[kGroup][kM];
+      CUTE_UNROLL
+      for (int g = 0; g < kGroup; ++g) {
+        split_fragment_tf32(b(_, n0 + g), lo[g]);
+        CUTE_UNROLL
+        for (int m = 0; m < kM; ++m) clear(sum[g][m]);
+      }
+      CUTE_UNROLL
+      for (int pass = 0; pass < 3; ++pass) {
+        CUTE_UNROLL
+        for (int g = 0; g < kGroup; ++g) {
+          CUTE_UNROLL
+          for (int m = 0; m < kM; ++m) {
+            if (pass == 0) cute::gemm(tiled_mma, a_lo(_, m), b(_, n0 + g), sum[g][m]);
+            if (pass == 1) cute::gemm(tiled_mma, a(_, m), lo[g], sum[g][m]);
+            if (pass == 2) cute::gemm(tiled_mma, a(_, m), b(_, n0 + g), sum[g][m]);
+          }
+        }
+      }
+      CUTE_UNROLL
+      for (int g = 0; g < kGroup; ++g) {
+        CUTE_UNROLL
+        for (int m = 0; m < kM; ++m) {
+          auto acc_mn = acc(_, m, n0 + g);
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_mn); ++i) acc_mn(i) += sum[g][m](i);
+        }
+      }
+    }
+  }
+}
+
 // acc += A B^T over the K mode, A and B both read from shared memory with
-// ldmatrix one k-slice ahead of the MMA that consumes it (software pipelining:
-// the load of slice k+1 is in flight while slice k multiplies).
-template <typename TensorAcc, typename TensorRA, typename TensorRB, typename TensorSA,
-          typename TensorSB, typename TiledMma, typename CopyA, typename ThrCopyA, typename CopyB,
-          typename ThrCopyB>
+// ldmatrix (or, for float32 operands that are not K-major, 32-bit loads) one
+// k-slice ahead of the MMA that consumes it (software pipelining: the load of
+// slice k+1 is in flight while slice k multiplies). kPasses: mma_slice's.
+template <int kPasses = 1, typename TensorAcc, typename TensorRA, typename TensorRB,
+          typename TensorSA, typename TensorSB, typename TiledMma, typename CopyA,
+          typename ThrCopyA, typename CopyB, typename ThrCopyB>
 __device__ __forceinline__ void gemm_ss(TensorAcc& acc, TensorRA& rA, TensorRB& rB,
                                         TensorSA const& sA, TensorSB const& sB,
                                         TiledMma const& tiled_mma, CopyA const& copy_a,
@@ -36,14 +142,15 @@ __device__ __forceinline__ void gemm_ss(TensorAcc& acc, TensorRA& rA, TensorRB& 
       copy(copy_a, sA(_, _, k + 1), rA_view(_, _, k + 1));
       copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
     }
-    cute::gemm(tiled_mma, rA(_, _, k), rB(_, _, k), acc);
+    mma_slice<kPasses>(tiled_mma, rA(_, _, k), rB(_, _, k), acc);
   }
 }
 
-// acc += A B^T with A already in registers (P in the forward's P V).
-template <typename TensorAcc, typename TensorRA, typename TensorRB, typename TensorSB,
-          typename TiledMma, typename CopyB, typename ThrCopyB>
-__device__ __forceinline__ void gemm_rs(TensorAcc& acc, TensorRA const& rA, TensorRB& rB,
+// acc += A B^T with A already in registers (P in the forward's P V; a float32
+// A is rounded or split in place).
+template <int kPasses = 1, typename TensorAcc, typename TensorRA, typename TensorRB,
+          typename TensorSB, typename TiledMma, typename CopyB, typename ThrCopyB>
+__device__ __forceinline__ void gemm_rs(TensorAcc& acc, TensorRA& rA, TensorRB& rB,
                                         TensorSB const& sB, TiledMma const& tiled_mma,
                                         CopyB const& copy_b, ThrCopyB const& thr_copy_b) {
   auto rB_view = thr_copy_b.retile_D(rB);
@@ -51,7 +158,7 @@ __device__ __forceinline__ void gemm_rs(TensorAcc& acc, TensorRA const& rA, Tens
   CUTE_UNROLL
   for (int k = 0; k < size<2>(rA); ++k) {
     if (k < size<2>(rA) - 1) copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
-    cute::gemm(tiled_mma, rA(_, _, k), rB(_, _, k), acc);
+    mma_slice<kPasses>(tiled_mma, rA(_, _, k), rB(_, _, k), acc);
   }
 }
 
@@ -71,6 +178,16 @@ __device__ __forceinline__ constexpr auto acc_as_a_operand(Layout l) {
   auto split = logical_divide(l, Shape<Underscore, Underscore, _2>{});
   return make_layout(make_layout(get<0>(split), get<2, 0>(split)), get<1>(split),
                      get<2, 1>(split));
+}
+
+// The same for an m16n8k8 TF32 product whose K mode is permuted by
+// kTf32KPermutation (kernel_traits_sm80.h): A's values (row, k) and (row, k + 4)
+// of a k8 block are then columns 2t and 2t + 1 of the accumulator's n8 tile,
+// which this thread already holds. No data moves: the n8 tiles are the k8
+// blocks, and each tile's ((2 cols, 2 rows)) values are read as ((2 rows, 2 k)).
+template <typename Layout>
+__device__ __forceinline__ constexpr auto acc_as_tf32_a_operand(Layout l) {
+  return make_layout(make_layout(get<0, 1>(l), get<0, 0>(l)), get<1>(l), get<2>(l));
 }
 
 // Float32 fragment -> half-precision fragment of the same layout, two values
@@ -108,6 +225,17 @@ __device__ __forceinline__ cutlass::Array<To, 2> convert_pair(float a, float b) 
 template <typename Element>
 __device__ __forceinline__ uint32_t pack_pair(Element a, Element b) {
   return uint32_t(a.raw()) | (uint32_t(b.raw()) << 16);
+}
+
+// Two adjacent values of a row stored with one instruction: 4 bytes for 16-bit
+// elements, 8 for float32 (dst aligned to the pair).
+template <typename Element>
+__device__ __forceinline__ void store_pair(Element* dst, Element a, Element b) {
+  if constexpr (sizeof(Element) == 4) {
+    *reinterpret_cast<float2*>(dst) = make_float2(a, b);
+  } else {
+    *reinterpret_cast<uint32_t*>(dst) = pack_pair(a, b);
+  }
 }
 
 // 2^x with the single MUFU instruction (exp2(-inf) = 0). The softmax works in
@@ -150,6 +278,18 @@ __device__ __forceinline__ float fast_tanh(float x) {
   float y;
   asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// The softcap kernels' tanh: the MUFU approximation for 16-bit inputs, whose
+// scores carry a larger error; tanhf for float32, where the approximation's
+// 2^-11 would be most of a 3xTF32 call's error.
+template <typename Element>
+__device__ __forceinline__ float softcap_tanh(float x) {
+  if constexpr (sizeof(Element) == 4) {
+    return tanhf(x);
+  } else {
+    return fast_tanh(x);
+  }
 }
 
 // A row of an m16n8 accumulator is spread over the 4 lanes of a quad.
@@ -318,7 +458,7 @@ __device__ __forceinline__ void normalize_output(AccORowCol& o_rc, CoordORowCol 
   }
 }
 
-// normalize_output, then O stored in half precision straight from registers
+// normalize_output, then O stored in the input dtype straight from registers
 // (rows at or past seqlen_q are not stored, nor columns at or past out_cols:
 // a static out_cols is the tile's width, a dynamic one the call's head dim
 // where a wider kernel runs it).
@@ -335,7 +475,7 @@ __device__ __forceinline__ void store_output(AccO const& acc_o, AccORowCol& o_rc
   normalize_output(o_rc, c_o_rc, row_max, row_sum, row_begin, seqlen_q, mask, seqlen_k,
                    writes_lse, lse_ptr, row_seen);
   Tensor o = convert_fragment<Element>(acc_o);
-  // Fragment elements 2i, 2i+1 are adjacent columns of one row: 4-byte stores
+  // Fragment elements 2i, 2i+1 are adjacent columns of one row: one store
   // (head dims are multiples of 8, so a pair is stored whole or not at all).
   CUTE_UNROLL
   for (int i = 0; i < size(o); i += 2) {
@@ -343,8 +483,7 @@ __device__ __forceinline__ void store_output(AccO const& acc_o, AccORowCol& o_rc
     bool in_cols = true;
     if constexpr (!is_static<OutCols>::value) in_cols = get<1>(c_o(i)) < out_cols;
     if (row < seqlen_q && in_cols) {
-      Element* dst = out_ptr + int64_t(row) * out_row_stride + get<1>(c_o(i));
-      *reinterpret_cast<uint32_t*>(dst) = pack_pair(o(i), o(i + 1));
+      store_pair(out_ptr + int64_t(row) * out_row_stride + get<1>(c_o(i)), o(i), o(i + 1));
     }
   }
 }

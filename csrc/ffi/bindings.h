@@ -1,4 +1,4 @@
-// The ABI of jflash_fwd_v3, jflash_bwd_v5, jflash_decode_v1 and
+// The ABI of jflash_fwd_v4, jflash_bwd_v6, jflash_decode_v1 and
 // jflash_decode_append_v1, written once: arguments, results
 // and attributes in the order jflash/_src/kernel_calls.py passes them. Each
 // platform passes in Ffi::Bind() with its own context (the CUDA stream) already
@@ -31,7 +31,8 @@ auto BindFwd(Binding binding) {
       .template Attr<float>("softmax_scale")
       .template Attr<int64_t>("diag_lo")
       .template Attr<int64_t>("diag_hi")
-      .template Attr<float>("softcap");  // 0: none (jflash/score.h)
+      .template Attr<float>("softcap")  // 0: none (jflash/score.h)
+      .template Attr<int64_t>("tf32_passes");  // float32 on CUDA: 1 or 3 (jflash/params.h)
 }
 
 template <typename Binding>
@@ -59,7 +60,8 @@ auto BindBwd(Binding binding) {
       .template Attr<float>("softmax_scale")
       .template Attr<int64_t>("diag_lo")
       .template Attr<int64_t>("diag_hi")
-      .template Attr<float>("softcap");  // 0: none (jflash/score.h)
+      .template Attr<float>("softcap")  // 0: none (jflash/score.h)
+      .template Attr<int64_t>("tf32_passes");  // float32 on CUDA: 1 or 3 (jflash/params.h)
 }
 
 // The decode call's attributes (jflash/_src/decode.py): window sides -1 for

@@ -1,4 +1,4 @@
-// XLA FFI handlers for platform "cpu": jflash_fwd_v3, jflash_bwd_v5,
+// XLA FFI handlers for platform "cpu": jflash_fwd_v4, jflash_bwd_v6,
 // jflash_decode_v1 and jflash_decode_append_v1.
 //
 // The CUDA handlers (csrc/ffi/cuda_handlers.cu) bind the same arguments in the
@@ -21,7 +21,8 @@ ffi::Error FwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
                   ffi::AnyBuffer kv_segment_blocks, ffi::AnyBuffer q_segment_ranges,
                   ffi::AnyBuffer kv_segment_ranges, ffi::Result<ffi::AnyBuffer> out,
                   ffi::Result<ffi::AnyBuffer> lse,
-                  float softmax_scale, int64_t diag_lo, int64_t diag_hi, float softcap) {
+                  float softmax_scale, int64_t diag_lo, int64_t diag_hi, float softcap,
+                  int64_t tf32_passes) {
   FwdParams params;
   const ffi_glue::SegmentBuffers segments{q_segment_ids,    kv_segment_ids,   q_segment_blocks,
                                           kv_segment_blocks, q_segment_ranges, kv_segment_ranges};
@@ -30,6 +31,7 @@ ffi::Error FwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
       err.failure()) {
     return err;
   }
+  if (auto err = ffi_glue::SetTf32Passes(tf32_passes, &params); err.failure()) return err;
   cpu::flash_fwd(params, params.mask.kind(params.seqlen_q, params.seqlen_k));
   return ffi::Error::Success();
 }
@@ -43,7 +45,8 @@ ffi::Error BwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
                   ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                   ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta,
                   ffi::Result<ffi::AnyBuffer> dq_semaphore, ffi::Result<ffi::AnyBuffer> dkv_accum,
-                  float softmax_scale, int64_t diag_lo, int64_t diag_hi, float softcap) {
+                  float softmax_scale, int64_t diag_lo, int64_t diag_hi, float softcap,
+                  int64_t tf32_passes) {
   BwdParams params;
   const ffi_glue::SegmentBuffers segments{q_segment_ids,    kv_segment_ids,   q_segment_blocks,
                                           kv_segment_blocks, q_segment_ranges, kv_segment_ranges};
@@ -54,6 +57,7 @@ ffi::Error BwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
       err.failure()) {
     return err;
   }
+  if (auto err = ffi_glue::SetTf32Passes(tf32_passes, &params); err.failure()) return err;
   cpu::flash_bwd(params, params.mask.kind(params.seqlen_q, params.seqlen_k));
   return ffi::Error::Success();
 }

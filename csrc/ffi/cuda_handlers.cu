@@ -179,10 +179,15 @@ ffi::Error LaunchError(cudaError_t err, const DeviceInfo& info, const char* dire
   return CudaError(err, (std::string(direction) + " launch").c_str());
 }
 
-const char* DTypeName(DType dtype) { return dtype == DType::kFloat16 ? "float16" : "bfloat16"; }
+const char* DTypeName(DType dtype) {
+  return dtype == DType::kFloat16 ? "float16" : dtype == DType::kBFloat16 ? "bfloat16" : "float32";
+}
 
+// Whether kernels of (dtype, head dim) may exist: one of kKernelHeadDims, and
+// of kFloat32HeadDims for float32.
 bool KernelHeadDim(DType dtype, int head_dim) {
-  return dtype != DType::kFloat32 && kernel_head_dim_index(head_dim) >= 0;
+  return kernel_head_dim_index(head_dim) >= 0 &&
+         (dtype != DType::kFloat32 || is_listed_head_dim(kFloat32HeadDims, head_dim));
 }
 
 // The column of the sm80 tile table for this device: kSmall where the kLarge
@@ -226,11 +231,17 @@ const cuda::BwdKernel& HopperBackward(DType dtype, int head_dim, MaskKind mask, 
 // The forward kernel for a call: the Hopper kernel where it takes the call,
 // else the sm80 kernel of the device's tile column, which computes the same
 // result everywhere. launch == nullptr when the kernel it needs was not built.
+// float32 has sm80 kernels only (TF32, tf32_passes 1 or 3), in one column:
+// Hopper runs them too.
 cuda::FwdKernel SelectForward(const DeviceInfo& info, FamilyChoice choice, DType dtype,
                               int head_dim, MaskKind call_mask, ScoreKind score,
-                              const FwdParams* params) {
+                              const FwdParams* params, int tf32_passes) {
   if (!KernelHeadDim(dtype, head_dim)) return {};
   const MaskKind mask = KernelMask(call_mask, score);
+  if (dtype == DType::kFloat32) {
+    return cuda::fwd_kernel_slot(dtype, head_dim, mask, score, cuda::SmemClass::kLarge,
+                                 tf32_passes);
+  }
   const cuda::FwdKernel& hopper = HopperForward(dtype, head_dim, mask, score);
   if (HopperTakes(hopper, info, choice, params)) return hopper;
   const auto column = Sm80Column(cuda::fwd_smem_bytes(cuda::fwd_tile(head_dim), head_dim),
@@ -241,9 +252,13 @@ cuda::FwdKernel SelectForward(const DeviceInfo& info, FamilyChoice choice, DType
 // The backward kernel for a call, chosen the same way.
 cuda::BwdKernel SelectBackward(const DeviceInfo& info, FamilyChoice choice, DType dtype,
                                int head_dim, MaskKind call_mask, ScoreKind score,
-                               const BwdParams* params) {
+                               const BwdParams* params, int tf32_passes) {
   if (!KernelHeadDim(dtype, head_dim)) return {};
   const MaskKind mask = KernelMask(call_mask, score);
+  if (dtype == DType::kFloat32) {
+    return cuda::bwd_kernel_slot(dtype, head_dim, mask, score, cuda::SmemClass::kLarge,
+                                 tf32_passes);
+  }
   const cuda::BwdKernel& hopper = HopperBackward(dtype, head_dim, mask, score);
   if (HopperTakes(hopper, info, choice, params)) return hopper;
   const auto column = Sm80Column(cuda::bwd_smem_bytes(cuda::bwd_tile(head_dim), head_dim),
@@ -256,11 +271,6 @@ cuda::BwdKernel SelectBackward(const DeviceInfo& info, FamilyChoice choice, DTyp
 ffi::ErrorOr<cuda::LaunchContext> Prepare(const FwdParams& params, cudaStream_t stream,
                                           const DeviceInfo& info, MaskKind mask, ScoreKind score,
                                           int smem_bytes, bool found, const char* direction) {
-  if (params.dtype == DType::kFloat32) {
-    return ffi::Error::InvalidArgument(
-        "jflash: the CUDA kernels take float16 or bfloat16; float32 inputs are cast to bfloat16 "
-        "by jflash before the call (jflash/_src/kernel_calls.py)");
-  }
   auto listed = [&params](const auto& dims, const char* kernels) -> ffi::Error {
     if (is_listed_head_dim(dims, params.head_dim)) return ffi::Error::Success();
     std::string list;
@@ -271,6 +281,9 @@ ffi::ErrorOr<cuda::LaunchContext> Prepare(const FwdParams& params, cudaStream_t 
                                        "); jflash pads head_dim before the call");
   };
   if (auto err = listed(kKernelHeadDims, "kernels"); err.failure()) return err;
+  if (params.dtype == DType::kFloat32) {
+    if (auto err = listed(kFloat32HeadDims, "float32 kernels"); err.failure()) return err;
+  }
   if (score == ScoreKind::kSoftcap) {
     if (auto err = listed(kSoftcapHeadDims, "softcap kernels"); err.failure()) return err;
   }
@@ -286,7 +299,10 @@ ffi::ErrorOr<cuda::LaunchContext> Prepare(const FwdParams& params, cudaStream_t 
   if (!found) {
     return ffi::Error::InvalidArgument(
         std::string("jflash: this build has no CUDA ") + direction + " kernel for " +
-        DTypeName(params.dtype) + ", head_dim " + std::to_string(params.head_dim) + ", " +
+        DTypeName(params.dtype) +
+        (params.dtype == DType::kFloat32 ? (params.tf32_passes == 3 ? " (3xTF32)" : " (TF32)")
+                                         : "") +
+        ", head_dim " + std::to_string(params.head_dim) + ", " +
         MaskKindName(mask) + " " + ScoreKindName(score) +
         " attention: it was built with JFLASH_CUDA_SUBSET=" +
         JFLASH_CUDA_SUBSET + "; rebuild with JFLASH_CUDA_SUBSET=all");
@@ -297,7 +313,11 @@ ffi::ErrorOr<cuda::LaunchContext> Prepare(const FwdParams& params, cudaStream_t 
                           std::to_string(params.head_dim) + " needs " + std::to_string(smem_bytes) +
                           " bytes of shared memory per block; this GPU allows " +
                           std::to_string(smem_limit(info)) +
-                          (smem_limit_override() > 0 ? " (JFLASH_CUDA_SMEM_LIMIT)" : ""));
+                          (smem_limit_override() > 0 ? " (JFLASH_CUDA_SMEM_LIMIT)" : "") +
+                          (params.dtype == DType::kFloat32
+                               ? ". The float32 kernels are built for GPUs with >= 163 KB per "
+                                 "block (sm80, sm90); cast the inputs to bfloat16 on this one"
+                               : ""));
   }
   return cuda::LaunchContext{stream, info.sm_count, bwd_head_splits_override()};
 }
@@ -308,7 +328,7 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges,
                    ffi::Result<ffi::AnyBuffer> out,
                    ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, int64_t diag_lo,
-                   int64_t diag_hi, float softcap) {
+                   int64_t diag_hi, float softcap, int64_t tf32_passes) {
   FwdParams params;
   const ffi_glue::SegmentBuffers segments{q_segment_ids,    kv_segment_ids,   q_segment_blocks,
                                           kv_segment_blocks, q_segment_ranges, kv_segment_ranges};
@@ -317,6 +337,7 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
       err.failure()) {
     return err;
   }
+  if (auto err = ffi_glue::SetTf32Passes(tf32_passes, &params); err.failure()) return err;
   if (params.batch == 0 || params.seqlen_q == 0 || params.num_heads == 0) {
     return ffi::Error::Success();
   }
@@ -327,7 +348,8 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   const MaskKind mask = params.mask.kind(params.seqlen_q, params.seqlen_k);
   const ScoreKind score = params.score_kind();
   const cuda::FwdKernel kernel =
-      SelectForward(**info, choice, params.dtype, params.head_dim, mask, score, &params);
+      SelectForward(**info, choice, params.dtype, params.head_dim, mask, score, &params,
+                    params.tf32_passes);
   auto ctx = Prepare(params, stream, **info, mask, score, kernel.smem_bytes,
                      kernel.launch != nullptr, "forward");
   if (ctx.has_error()) return ctx.error();
@@ -348,7 +370,7 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta,
                    ffi::Result<ffi::AnyBuffer> dq_semaphore,
                    ffi::Result<ffi::AnyBuffer> dkv_accum, float softmax_scale,
-                   int64_t diag_lo, int64_t diag_hi, float softcap) {
+                   int64_t diag_lo, int64_t diag_hi, float softcap, int64_t tf32_passes) {
   BwdParams params;
   const ffi_glue::SegmentBuffers segments{q_segment_ids,    kv_segment_ids,   q_segment_blocks,
                                           kv_segment_blocks, q_segment_ranges, kv_segment_ranges};
@@ -358,6 +380,7 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
       err.failure()) {
     return err;
   }
+  if (auto err = ffi_glue::SetTf32Passes(tf32_passes, &params); err.failure()) return err;
   if (params.batch == 0 || params.num_heads == 0) return ffi::Error::Success();
   // seqlen_q == 0 still launches: dK and dV must be written (as zeros).
   auto info = current_device_info();
@@ -366,7 +389,8 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   const MaskKind mask = params.mask.kind(params.seqlen_q, params.seqlen_k);
   const ScoreKind score = params.score_kind();
   const cuda::BwdKernel kernel = SelectBackward(**info, backward_choice(), params.dtype,
-                                                params.head_dim, mask, score, &params);
+                                                params.head_dim, mask, score, &params,
+                                                params.tf32_passes);
   auto ctx = Prepare(params, stream, **info, mask, score, kernel.smem_bytes,
                      kernel.launch != nullptr, "backward");
   if (ctx.has_error()) return ctx.error();
@@ -481,16 +505,19 @@ const DeviceInfo* QueryDevice() {
 struct Query {
   const DeviceInfo* info = nullptr;
   DType dtype = DType::kBFloat16;
+  int tf32_passes = 1;
   MaskKind mask = MaskKind::kNone;
   ScoreKind score = ScoreKind::kPlain;
 };
 Query ReadQuery(int dtype, int mask_kind, int score_kind) {
   Query q;
   if (mask_kind < 0 || mask_kind >= kNumMaskKinds || score_kind < 0 ||
-      score_kind >= kNumScoreKinds) {
+      score_kind >= kNumScoreKinds || dtype < 0 || dtype > 3) {
     return q;
   }
-  q.dtype = static_cast<DType>(dtype);
+  // 0 float16, 1 bfloat16, 2 float32 with one TF32 pass, 3 with three.
+  q.dtype = dtype >= 2 ? DType::kFloat32 : static_cast<DType>(dtype);
+  q.tf32_passes = dtype == 3 ? 3 : 1;
   q.score = static_cast<ScoreKind>(score_kind);
   q.mask = KernelMask(static_cast<MaskKind>(mask_kind), q.score);
   q.info = QueryDevice();
@@ -511,15 +538,16 @@ int Family(const Kernel& kernel, const Kernel& hopper) {
 // Which forward kernel family a call would run on the current device, for
 // tests and benchmarks (jflash/_src/ffi.py: cuda_forward_family): 90 (Hopper
 // kernel), 80 (sm80 kernel), 0 (not built), -1 (no usable device, an invalid
-// JFLASH_CUDA_FORWARD, mask kind or score kind). dtype: 0 float16, 1
-// bfloat16; mask_kind: a MaskKind (jflash/_src/masks.py: MASK_KIND_*);
+// JFLASH_CUDA_FORWARD, dtype, mask kind or score kind). dtype: 0 float16, 1
+// bfloat16, 2 float32 (TF32), 3 float32 (3xTF32); mask_kind: a MaskKind (jflash/_src/masks.py: MASK_KIND_*);
 // score_kind: a ScoreKind (0 plain, 1 softcap).
 extern "C" __attribute__((visibility("default"))) int jflash_cuda_forward_family(
     int dtype, int head_dim, int mask_kind, int score_kind) {
   const jflash::Query q = jflash::ReadQuery(dtype, mask_kind, score_kind);
   if (q.info == nullptr) return -1;
   return jflash::Family(jflash::SelectForward(*q.info, jflash::forward_choice(), q.dtype,
-                                              head_dim, q.mask, q.score, nullptr),
+                                              head_dim, q.mask, q.score, nullptr,
+                                              q.tf32_passes),
                         jflash::HopperForward(q.dtype, head_dim, q.mask, q.score));
 }
 
@@ -529,7 +557,8 @@ extern "C" __attribute__((visibility("default"))) int jflash_cuda_backward_famil
   const jflash::Query q = jflash::ReadQuery(dtype, mask_kind, score_kind);
   if (q.info == nullptr) return -1;
   return jflash::Family(jflash::SelectBackward(*q.info, jflash::backward_choice(), q.dtype,
-                                               head_dim, q.mask, q.score, nullptr),
+                                               head_dim, q.mask, q.score, nullptr,
+                                               q.tf32_passes),
                         jflash::HopperBackward(q.dtype, head_dim, q.mask, q.score));
 }
 
@@ -542,11 +571,11 @@ extern "C" __attribute__((visibility("default"))) int jflash_cuda_kernel_smem_by
   if (q.info == nullptr) return -1;
   if (direction == 0) {
     const auto kernel = jflash::SelectForward(*q.info, jflash::forward_choice(), q.dtype,
-                                              head_dim, q.mask, q.score, nullptr);
+                                              head_dim, q.mask, q.score, nullptr, q.tf32_passes);
     return kernel.launch == nullptr ? 0 : kernel.smem_bytes;
   }
   const auto kernel = jflash::SelectBackward(*q.info, jflash::backward_choice(), q.dtype,
-                                             head_dim, q.mask, q.score, nullptr);
+                                             head_dim, q.mask, q.score, nullptr, q.tf32_passes);
   return kernel.launch == nullptr ? 0 : kernel.smem_bytes;
 }
 

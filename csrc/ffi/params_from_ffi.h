@@ -117,6 +117,17 @@ inline ffi::Error FillSegmentParams(const SegmentBuffers& b, const FwdParams& p,
   return ffi::Error::Success();
 }
 
+// The float32 kernels' passes (jflash/params.h, tf32_passes), checked for every
+// dtype and platform so that a bad attribute never depends on where it runs.
+inline ffi::Error SetTf32Passes(int64_t passes, FwdParams* p) {
+  if (passes != 1 && passes != 3) {
+    return ffi::Error::InvalidArgument("jflash: tf32_passes must be 1 or 3, got " +
+                                       std::to_string(passes));
+  }
+  p->tf32_passes = static_cast<int>(passes);
+  return ffi::Error::Success();
+}
+
 inline ffi::Error FillFwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                 const SegmentBuffers& segments, ffi::AnyBuffer out,
                                 ffi::AnyBuffer lse, float softmax_scale, int64_t diag_lo,

@@ -28,8 +28,8 @@ int write_head_dims(const int (&dims)[kCount], int* out, int capacity) {
 }  // namespace
 
 // The head-dim lists of jflash/head_dims.h for Python: every kernel's, the
-// segment-id kernels' and the softcap kernels'; and the block size of the
-// segment ids' summaries (jflash/mask.h).
+// segment-id kernels', the softcap kernels' and the float32 kernels'; and the
+// block size of the segment ids' summaries (jflash/mask.h).
 JFLASH_EXPORT int jflash_kernel_head_dims(int* out, int capacity) {
   return write_head_dims(jflash::kKernelHeadDims, out, capacity);
 }
@@ -38,6 +38,9 @@ JFLASH_EXPORT int jflash_segment_head_dims(int* out, int capacity) {
 }
 JFLASH_EXPORT int jflash_softcap_head_dims(int* out, int capacity) {
   return write_head_dims(jflash::kSoftcapHeadDims, out, capacity);
+}
+JFLASH_EXPORT int jflash_float32_head_dims(int* out, int capacity) {
+  return write_head_dims(jflash::kFloat32HeadDims, out, capacity);
 }
 JFLASH_EXPORT int jflash_segment_block() { return jflash::kSegmentBlock; }
 

@@ -81,8 +81,8 @@ def resolve_kvcache_arguments(query, k_cache, v_cache, cache_seqlens, k_new, v_n
 # float32 on GPU: the decode kernels are half-precision tensor-core kernels. A
 # float32 cache cannot be cast for the call and back without rounding every row
 # already in it, so the new rows are written in float32 here, and the kernel
-# attends over a bfloat16 copy of the cache (bfloat16 precision, like
-# flash_attention's float32 on GPU, plus the cost of the copy).
+# attends over a bfloat16 copy of the cache (bfloat16 precision, plus the cost
+# of the copy; flash_attention has float32 kernels, decode does not).
 _GPU_COMPUTE_DTYPE = jnp.bfloat16
 
 

@@ -24,10 +24,17 @@ keys padded or outside the band) gets jax's mean of the values, as above.
 q_segment_ids and kv_segment_ids are jflash's own keywords (jax.nn has none):
 where jax's function runs instead, they become its boolean mask. So is softcap,
 which jax's function cannot compute: a call with it runs the kernels or raises.
+
+Precision: jax.nn.dot_product_attention has no precision argument; its float32
+dots run at jax_default_matmul_precision. So do the kernels here
+(validation.tf32_passes, read at trace time): TF32 on GPU at DEFAULT and HIGH,
+3xTF32 at HIGHEST. A setting jflash cannot map (a DotAlgorithmPreset name) is
+one more reason for jax's function to run the call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 
@@ -218,8 +225,12 @@ def dot_product_attention(
       implementation: None: jflash when supported, else jax's own function
         (its default, XLA). "jflash": jflash, or a ValueError saying why it
         cannot run. "xla" or "cudnn": passed to jax.nn.dot_product_attention
-        unchanged. On GPU, jflash computes float32 inputs at bfloat16 precision
-        with float32 accumulation (README); pass "xla" for float32 matmuls.
+        unchanged. float32 inputs run at jax_default_matmul_precision, as jax's
+        float32 dots do (read when the call is traced; on GPU: the TF32
+        kernels at DEFAULT and HIGH, 3xTF32 at HIGHEST, see
+        jflash.flash_attention's precision); a setting that jflash cannot map
+        (the name of a jax.lax.DotAlgorithmPreset) goes to jax's function (or
+        raises, for "jflash").
       deterministic: a jflash extension (jax.nn has no such argument): if True,
         the jflash kernels' gradients are bit-identical from run to run (see
         jflash.flash_attention). Calls that go to jax's own function are not
@@ -234,6 +245,31 @@ def dot_product_attention(
         no such option: with softcap, a call that the kernels cannot run, or
         implementation "xla" or "cudnn", raises a ValueError.
     """
+    return attention(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size, implementation=implementation,
+        return_residual=return_residual, deterministic=deterministic,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softcap=softcap,
+    )
+
+
+def _precision_context(precision):
+    """A context in which jax's function runs at an explicit precision (jax.nn's
+    function has no precision argument; its dots read jax_default_matmul_precision)."""
+    if precision is None:
+        return contextlib.nullcontext()
+    return jax.default_matmul_precision(validation.check_precision(precision).name.lower())
+
+
+def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+              query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+              implementation=None, return_residual=False, deterministic=False,
+              q_segment_ids=None, kv_segment_ids=None, softcap=None, precision=None):
+    """dot_product_attention with a precision of its own (the Flax front ends pass
+    their layer's): None reads jax_default_matmul_precision, as jax.nn does; an
+    explicit value (validation.check_precision) applies to the kernels and, where
+    jax's function runs, to its dots."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
@@ -248,20 +284,21 @@ def dot_product_attention(
             full_mask = _segment_mask(segment_ids, jnp.ndim(query))
             if mask is not None:
                 full_mask = jnp.logical_and(mask, full_mask)
-        return jax.nn.dot_product_attention(
-            query,
-            key,
-            value,
-            bias,
-            full_mask,
-            scale=scale,
-            is_causal=is_causal,
-            query_seq_lengths=query_seq_lengths,
-            key_value_seq_lengths=key_value_seq_lengths,
-            local_window_size=local_window_size,
-            implementation=implementation,
-            return_residual=return_residual,
-        )
+        with _precision_context(precision):
+            return jax.nn.dot_product_attention(
+                query,
+                key,
+                value,
+                bias,
+                full_mask,
+                scale=scale,
+                is_causal=is_causal,
+                query_seq_lengths=query_seq_lengths,
+                key_value_seq_lengths=key_value_seq_lengths,
+                local_window_size=local_window_size,
+                implementation=implementation,
+                return_residual=return_residual,
+            )
 
     deterministic = validation.check_bool("deterministic", deterministic)
     if implementation in ("xla", "cudnn"):
@@ -273,6 +310,13 @@ def dot_product_attention(
     reason = _unsupported(
         q, k, v, bias, mask, scale, query_seq_lengths, key_value_seq_lengths, local_window_size
     )
+    if precision is not None:
+        tf32_passes = validation.tf32_passes(precision)
+    else:
+        try:
+            tf32_passes = validation.tf32_passes(None)
+        except ValueError as e:  # a setting jax's function takes (a DotAlgorithmPreset)
+            tf32_passes, reason = 1, reason or str(e).removeprefix("jflash: ")
     if reason is not None:
         if implementation == "jflash" or softcap is not None:
             why = "implementation='jflash'" if softcap is None else "softcap (a jflash extension)"
@@ -294,6 +338,7 @@ def dot_product_attention(
         q, k, v, softmax_scale=float(softmax_scale), diag_lo=diag_lo, diag_hi=diag_hi,
         deterministic=deterministic, q_segment_ids=None if kernel_ids is None else kernel_ids[0],
         kv_segment_ids=None if kernel_ids is None else kernel_ids[1], softcap=softcap,
+        tf32_passes=tf32_passes,
     )
     if kernel_ids is None:
         empty = masks.rows_without_keys(seqlen_q, seqlen_k, diag_lo, diag_hi)

@@ -1,6 +1,6 @@
 """Loads the compiled jflash libraries and registers their XLA FFI targets.
 
-Target names carry an ABI version (``jflash_fwd_v3``): a serialized program
+Target names carry an ABI version (``jflash_fwd_v4``): a serialized program
 (jax.export) that names a target never binds to a handler of a changed ABI.
 The CPU and CUDA handlers share names and argument order, so one ``ffi_call``
 lowers for either platform.
@@ -17,8 +17,8 @@ import jaxlib
 
 from jflash._src import masks
 
-FWD_TARGET = "jflash_fwd_v3"
-BWD_TARGET = "jflash_bwd_v5"
+FWD_TARGET = "jflash_fwd_v4"
+BWD_TARGET = "jflash_bwd_v6"
 # Decode over a KV cache (jflash.flash_attention_with_kvcache): without and
 # with an append (the latter aliases the caches to two of its results).
 DECODE_TARGET = "jflash_decode_v1"
@@ -119,12 +119,13 @@ def _read_list(function) -> tuple[int, ...]:
 
 
 # The head dims the kernels are built for, and the subsets that calls with segment
-# ids and with softcap run on (csrc/include/jflash/head_dims.h); the block of rows
-# (keys) that segment ids are summarized by (csrc/include/jflash/mask.h,
-# kSegmentBlock).
+# ids, with softcap and with float32 inputs run on (csrc/include/jflash/head_dims.h);
+# the block of rows (keys) that segment ids are summarized by
+# (csrc/include/jflash/mask.h, kSegmentBlock).
 KERNEL_HEAD_DIMS = _read_list(_cpu_lib.jflash_kernel_head_dims)
 SEGMENT_HEAD_DIMS = _read_list(_cpu_lib.jflash_segment_head_dims)
 SOFTCAP_HEAD_DIMS = _read_list(_cpu_lib.jflash_softcap_head_dims)
+FLOAT32_HEAD_DIMS = _read_list(_cpu_lib.jflash_float32_head_dims)
 SEGMENT_BLOCK = int(_cpu_lib.jflash_segment_block())
 # The head dims of the decode kernels (the same header).
 DECODE_HEAD_DIMS = _read_list(_cpu_lib.jflash_decode_head_dims)
@@ -137,11 +138,28 @@ if _cuda_lib is not None:
                                                         *_DECODE_SPLITS_ARGS]
 
 
-def _cuda_dtype_code(dtype) -> int | None:
-    """The C library's dtype code (0 float16, 1 bfloat16), or None where it has no kernel."""
+# The precisions of float32 calls on CUDA (the FFI attribute tf32_passes,
+# csrc/include/jflash/params.h): 1, TF32 tensor-core MMAs; 3, 3xTF32 (each operand
+# split into a TF32 part and its TF32 remainder, three MMAs per product:
+# float32-class accuracy). The half-precision and the CPU kernels ignore it.
+TF32_PASSES = (1, 3)
+
+
+def check_tf32_passes(tf32_passes) -> int:
+    if tf32_passes not in TF32_PASSES or isinstance(tf32_passes, bool):
+        raise ValueError(f"tf32_passes must be one of {TF32_PASSES}, got {tf32_passes!r}")
+    return int(tf32_passes)
+
+
+def _cuda_dtype_code(dtype, tf32_passes: int = 1) -> int | None:
+    """The C library's dtype code (0 float16, 1 bfloat16, 2 float32 in one TF32 pass,
+    3 float32 in three), or None where it has no kernel. tf32_passes: 1 or 3, for
+    float32 only."""
+    passes = check_tf32_passes(tf32_passes)
     if _cuda_lib is None:
         return None
-    return {"float16": 0, "bfloat16": 1}.get(jax.numpy.dtype(dtype).name)
+    codes = {"float16": 0, "bfloat16": 1, "float32": 2 if passes == 1 else 3}
+    return codes.get(jax.numpy.dtype(dtype).name)
 
 
 # ScoreKind of csrc/include/jflash/score.h.
@@ -155,17 +173,18 @@ def _kinds(banded: bool, segments: bool, softcap: bool) -> tuple[int, int]:
 
 
 def cuda_forward_family(dtype, head_dim: int, banded: bool, segments: bool = False,
-                        softcap: bool = False) -> int:
+                        softcap: bool = False, *, tf32_passes: int = 1) -> int:
     """The CUDA forward kernel a call would run on the current GPU.
 
     90: the Hopper (TMA + wgmma) kernel; 80: the sm80 kernel; 0: this build has
     neither for (dtype, head_dim, mask, softcap); -1: no usable GPU, or an
     invalid JFLASH_CUDA_FORWARD. head_dim is the kernel's (padded) head dim; the
     mask is segment ids where segments, else a band or none; softcap: the
-    softcap kernels. For tests and benchmarks; the choice itself is made per
-    call in the C++ handler.
+    softcap kernels; tf32_passes: for float32, the TF32 (1) or 3xTF32 (3)
+    kernels. For tests and benchmarks; the choice itself is made per call in
+    the C++ handler.
     """
-    code = _cuda_dtype_code(dtype)
+    code = _cuda_dtype_code(dtype, tf32_passes)
     if code is None:
         return 0
     kinds = _kinds(banded, segments, softcap)
@@ -173,14 +192,14 @@ def cuda_forward_family(dtype, head_dim: int, banded: bool, segments: bool = Fal
 
 
 def cuda_backward_family(dtype, head_dim: int, banded: bool, segments: bool = False,
-                         softcap: bool = False) -> int:
+                         softcap: bool = False, *, tf32_passes: int = 1) -> int:
     """The CUDA backward kernel a call would run on the current GPU.
 
     The same codes as cuda_forward_family, under JFLASH_CUDA_BACKWARD. Calls whose
     tensors the Hopper kernel cannot take (TMA's 16-byte alignment, an empty
     sequence) run the sm80 backward whatever this says.
     """
-    code = _cuda_dtype_code(dtype)
+    code = _cuda_dtype_code(dtype, tf32_passes)
     if code is None:
         return 0
     kinds = _kinds(banded, segments, softcap)
@@ -188,18 +207,19 @@ def cuda_backward_family(dtype, head_dim: int, banded: bool, segments: bool = Fa
 
 
 def cuda_kernel_smem_bytes(direction: str, dtype, head_dim: int, banded: bool,
-                           segments: bool = False, softcap: bool = False) -> int:
+                           segments: bool = False, softcap: bool = False, *,
+                           tf32_passes: int = 1) -> int:
     """Shared memory per block of the CUDA kernel a call would run on the current GPU.
 
     direction: "fwd" or "bwd". The handler picks the small-shared-memory tile
     column (csrc/cuda/tile_sizes.h) where the device, or JFLASH_CUDA_SMEM_LIMIT,
     allows less than the default tile needs. 0: that kernel was not built; -1:
     no usable GPU, or an invalid JFLASH_CUDA_FORWARD / _BACKWARD / _SMEM_LIMIT.
-    For tests and benchmarks, like cuda_forward_family.
+    For tests and benchmarks, like cuda_forward_family (tf32_passes likewise).
     """
     if direction not in ("fwd", "bwd"):
         raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")
-    code = _cuda_dtype_code(dtype)
+    code = _cuda_dtype_code(dtype, tf32_passes)
     if code is None:
         return 0
     kinds = _kinds(banded, segments, softcap)
@@ -216,12 +236,12 @@ def decode_num_splits(on_cpu: bool, dtype, head_dim: int, batch: int, num_heads_
     on CPU from the thread pool's size, on GPU from the current device's SMs and
     the kernel's occupancy. rows: query heads per kv head times queries;
     capacity: keys a cache holds. 1 where the GPU answer is unavailable (no
-    usable device, or no kernel for the dtype)."""
+    usable device, or no kernel for the dtype: decode has none for float32)."""
     args = (int(batch), int(num_heads_kv), int(rows), int(capacity))
     if on_cpu:
         return int(_cpu_lib.jflash_cpu_decode_num_splits(*args))
     code = _cuda_dtype_code(dtype)
-    if code is None:
+    if code not in (0, 1):  # float16, bfloat16
         return 1
     splits = int(_cuda_lib.jflash_cuda_decode_num_splits(code, int(head_dim), *args))
     return splits if splits >= 1 else 1

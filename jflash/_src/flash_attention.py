@@ -39,22 +39,23 @@ SECOND_ORDER_UNSUPPORTED = (
 # layout, layout axis size), read when the call is traced
 # (context_parallel.current_config) and static like the band. seg: None, or the
 # int32 segment ids (q ids [batch, seq_q], kv ids [batch, seq_k]), which get no
-# gradient. softcap: None, or the cap (a Python float), static too.
-@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _forward(q, k, v, seg, softmax_scale, softcap, diag_lo, diag_hi, cp):
+# gradient. softcap: None, or the cap (a Python float), static too. tf32: the
+# kernels' tf32_passes (1 or 3, validation.tf32_passes), static.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _forward(q, k, v, seg, softmax_scale, softcap, tf32, diag_lo, diag_hi, cp):
     return kernel_calls.fwd(
         q, k, v, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi, context_parallel=cp,
-        segment_ids=seg, softcap=softcap,
+        segment_ids=seg, softcap=softcap, tf32_passes=tf32,
     )
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
-def _backward(q, k, v, out, dout, lse, dlse, seg, softmax_scale, softcap, diag_lo, diag_hi, cp,
-              deterministic):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14))
+def _backward(q, k, v, out, dout, lse, dlse, seg, softmax_scale, softcap, tf32, diag_lo, diag_hi,
+              cp, deterministic):
     return kernel_calls.bwd(
         q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=diag_lo,
         diag_hi=diag_hi, context_parallel=cp, deterministic=deterministic, segment_ids=seg,
-        softcap=softcap,
+        softcap=softcap, tf32_passes=tf32,
     )
 
 
@@ -72,21 +73,22 @@ _backward.defjvp(_no_second_order)
 
 
 # deterministic: the backward's gradients bit-identical from run to run.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _attention(q, k, v, seg, softmax_scale, softcap, diag_lo, diag_hi, cp, deterministic):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
+def _attention(q, k, v, seg, softmax_scale, softcap, tf32, diag_lo, diag_hi, cp, deterministic):
     del deterministic
-    return _forward(q, k, v, seg, softmax_scale, softcap, diag_lo, diag_hi, cp)
+    return _forward(q, k, v, seg, softmax_scale, softcap, tf32, diag_lo, diag_hi, cp)
 
 
-def _attention_fwd(q, k, v, seg, softmax_scale, softcap, diag_lo, diag_hi, cp, deterministic):
+def _attention_fwd(q, k, v, seg, softmax_scale, softcap, tf32, diag_lo, diag_hi, cp,
+                   deterministic):
     del deterministic
-    out, lse = _forward(q, k, v, seg, softmax_scale, softcap, diag_lo, diag_hi, cp)
+    out, lse = _forward(q, k, v, seg, softmax_scale, softcap, tf32, diag_lo, diag_hi, cp)
     out = checkpoint_name(out, OUT_NAME)
     lse = checkpoint_name(lse, LSE_NAME)
     return (out, lse), (q, k, v, seg, out, lse)
 
 
-def _attention_bwd(softmax_scale, softcap, diag_lo, diag_hi, cp, deterministic, residuals,
+def _attention_bwd(softmax_scale, softcap, tf32, diag_lo, diag_hi, cp, deterministic, residuals,
                    cotangents):
     q, k, v, seg, out, lse = residuals
     dout, dlse = cotangents
@@ -101,6 +103,7 @@ def _attention_bwd(softmax_scale, softcap, diag_lo, diag_hi, cp, deterministic, 
         seg,
         softmax_scale,
         softcap,
+        tf32,
         diag_lo,
         diag_hi,
         cp,
@@ -113,14 +116,16 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, deterministic=False,
-                   q_segment_ids=None, kv_segment_ids=None, softcap=None):
+                   q_segment_ids=None, kv_segment_ids=None, softcap=None, tf32_passes=1):
     """Attention with the band mask diag_lo <= j - i <= diag_hi; returns (out, lse).
 
     deterministic: the gradients are bit-identical from run to run (see
     flash_attention). q_segment_ids, kv_segment_ids: both None, or int32
     [batch, seq_q] and [batch, seq_k]: key j is visible from query i only where
     they are equal, on top of the band. softcap: None, or the cap c > 0 of the
-    scores (validated: validation.check_softcap).
+    scores (validated: validation.check_softcap). tf32_passes: the precision of
+    float32 inputs on CUDA, 1 (TF32) or 3 (3xTF32), from validation.tf32_passes;
+    other dtypes run as 1 (their kernels have one precision).
 
     Positions i, j are true token positions: under
     jflash.context_parallel.sequence_layout("zigzag", n) the sequence axis holds
@@ -138,6 +143,8 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, determ
         seg = (jnp.asarray(q_segment_ids, jnp.int32), jnp.asarray(kv_segment_ids, jnp.int32))
     if softcap is not None:
         softcap = float(softcap)
+    float32 = jnp.dtype(query.dtype) == jnp.float32
+    tf32 = int(tf32_passes) if float32 else 1  # one static (and one trace) per precision
     # One head dim for the kernels: query/key and value (whose head dim may
     # differ) zero-padded up to a kernel head dim that holds both. Zero columns
     # of q and k leave the scores as they are; those of v give output columns
@@ -145,7 +152,7 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, determ
     value_head_dim = value.shape[3]
     kernel_head_dim = kernel_calls.padded_head_dim(max(head_dim, value_head_dim),
                                                    segments=seg is not None,
-                                                   softcap=softcap is not None)
+                                                   softcap=softcap is not None, float32=float32)
 
     def pad(x):
         extra = kernel_head_dim - x.shape[3]
@@ -154,7 +161,7 @@ def attention_band(query, key, value, *, softmax_scale, diag_lo, diag_hi, determ
     query, key, value = pad(query), pad(key), pad(value)
     cp = context_parallel.current_config()
     out, lse = _attention(
-        query, key, value, seg, float(softmax_scale), softcap, diag_lo, diag_hi, cp,
+        query, key, value, seg, float(softmax_scale), softcap, tf32, diag_lo, diag_hi, cp,
         bool(deterministic),
     )
     if kernel_head_dim != value_head_dim:
@@ -183,7 +190,7 @@ def resolve_arguments(query, key, value, causal, softmax_scale, return_lse, wind
 
 def flash_attention(query, key, value, *, causal=False, softmax_scale=None, return_lse=False,
                     window_size=None, q_segment_ids=None, kv_segment_ids=None,
-                    softcap=None, deterministic=False):
+                    softcap=None, deterministic=False, precision=None):
     """Exact attention, computed tile by tile without a seq_q x seq_k buffer.
 
     Args:
@@ -232,6 +239,20 @@ def flash_attention(query, key, value, *, causal=False, softmax_scale=None, retu
         block's dq contributions in key-block order instead of as they come
         (a cost measured in the README); the CPU backward is deterministic
         either way. The forward is always deterministic.
+      precision: the precision of float32 inputs on GPU, in jax's matmul
+        convention: None (the default: jax_default_matmul_precision, read when
+        the call is traced; unset means DEFAULT), a jax.lax.Precision, one of
+        its names ("default", "high", "highest", "bfloat16", "tensorfloat32",
+        "float32", ...), or a pair (lhs, rhs) of these (the higher counts).
+        DEFAULT and HIGH run the TF32 kernels (one TF32 tensor-core MMA per
+        product, as XLA runs float32 dots at DEFAULT on GPU); HIGHEST runs
+        3xTF32 (three MMAs per product, float32-class accuracy, about 3x the
+        MMA work). Anything else (e.g. a jax.lax.DotAlgorithmPreset) raises a
+        ValueError. float16 and bfloat16 inputs accept it and ignore it; on
+        CPU float32 is always computed in float32, at least as precise as
+        either setting. Float32 calls run on kernels built for head dims 64,
+        128 and 256; other head dims are zero-padded up to the next of these
+        (on every platform).
 
     Returns:
       out [batch, seq_q, num_heads, head_dim_v] in query's dtype, or (out, lse).
@@ -241,9 +262,11 @@ def flash_attention(query, key, value, *, causal=False, softmax_scale=None, retu
         kv_segment_ids, softcap,
     )
     deterministic = validation.check_bool("deterministic", deterministic)
+    tf32_passes = validation.tf32_passes(precision)
     q_ids, kv_ids = segment_ids or (None, None)
     out, lse = attention_band(
         query, key, value, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
         deterministic=deterministic, q_segment_ids=q_ids, kv_segment_ids=kv_ids, softcap=softcap,
+        tf32_passes=tf32_passes,
     )
     return (out, lse) if return_lse else out

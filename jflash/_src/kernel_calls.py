@@ -2,11 +2,13 @@
 
 Everything here sees kernel-ready shapes: head_dim already padded to one of
 KERNEL_HEAD_DIMS (and of SEGMENT_HEAD_DIMS with segment ids, SOFTCAP_HEAD_DIMS
-with softcap) and the mask already reduced to a diagonal band and, optionally,
-segment ids [batch, seq] of the queries and the keys (masks.py,
-csrc/include/jflash/mask.h). softcap: None, or the cap c > 0 of the scores
-(csrc/include/jflash/score.h). Validation happens before, in
-flash_attention.py.
+with softcap, FLOAT32_HEAD_DIMS for float32 inputs) and the mask already
+reduced to a diagonal band and, optionally, segment ids [batch, seq] of the
+queries and the keys (masks.py, csrc/include/jflash/mask.h). softcap: None, or
+the cap c > 0 of the scores (csrc/include/jflash/score.h). tf32_passes: the
+precision of float32 inputs on CUDA, 1 (TF32) or 3 (3xTF32)
+(validation.tf32_passes); the kernels of other dtypes and the CPU kernels
+ignore it. Validation happens before, in flash_attention.py.
 """
 
 from __future__ import annotations
@@ -28,15 +30,18 @@ from jflash._src.masks import clamp_band, segment_operands
 # and zero columns of v give output columns that are sliced off. The CPU kernel
 # takes the same padded shapes so that both platforms run one traced program.
 KERNEL_HEAD_DIMS = _ffi.KERNEL_HEAD_DIMS
-# Calls with segment ids, and calls with softcap, run on kernels built for these
-# head dims only (the CUDA build time), and pad other head dims up to the next of
-# them (of both lists for both options), on every platform.
+# Calls with segment ids, calls with softcap, and calls with float32 inputs run on
+# kernels built for these head dims only (the CUDA build time), and pad other head
+# dims up to the next of them (of every list that applies), on every platform.
 SEGMENT_HEAD_DIMS = _ffi.SEGMENT_HEAD_DIMS
 SOFTCAP_HEAD_DIMS = _ffi.SOFTCAP_HEAD_DIMS
+FLOAT32_HEAD_DIMS = _ffi.FLOAT32_HEAD_DIMS
 
 
-def padded_head_dim(head_dim: int, segments: bool = False, softcap: bool = False) -> int:
-    lists = [dims for dims, used in ((SEGMENT_HEAD_DIMS, segments), (SOFTCAP_HEAD_DIMS, softcap))
+def padded_head_dim(head_dim: int, segments: bool = False, softcap: bool = False,
+                    float32: bool = False) -> int:
+    lists = [dims for dims, used in ((SEGMENT_HEAD_DIMS, segments), (SOFTCAP_HEAD_DIMS, softcap),
+                                     (FLOAT32_HEAD_DIMS, float32))
              if used]
     for d in KERNEL_HEAD_DIMS:
         if head_dim <= d and all(d in dims for dims in lists):
@@ -49,6 +54,12 @@ def _softcap_attribute(softcap):
     return np.float32(0.0 if softcap is None else softcap)
 
 
+def _tf32_passes_attribute(dtype, tf32_passes):
+    """The FFI's tf32_passes attribute (int64, required on every call): the
+    precision of float32 inputs, 1 for the other dtypes (whose kernels ignore it)."""
+    return np.int64(tf32_passes if jnp.dtype(dtype) == jnp.float32 else 1)
+
+
 def _segment_operands(segment_ids):
     """The six segment buffers of both FFI calls: the ids [..., seq] (int32) of the
     queries and the keys, their block summaries, and each row's keys and each
@@ -59,7 +70,8 @@ def _segment_operands(segment_ids):
     return segment_operands(*segment_ids, _ffi.SEGMENT_BLOCK)
 
 
-def _fwd_ffi(q, k, v, *, softmax_scale, diag_lo, diag_hi, segment_ids=None, softcap=None):
+def _fwd_ffi(q, k, v, *, softmax_scale, diag_lo, diag_hi, segment_ids=None, softcap=None,
+             tf32_passes=1):
     *lead, seqlen_q, num_heads, _ = q.shape
     call = jax.ffi.ffi_call(
         _ffi.FWD_TARGET,
@@ -80,6 +92,7 @@ def _fwd_ffi(q, k, v, *, softmax_scale, diag_lo, diag_hi, segment_ids=None, soft
         diag_lo=np.int64(diag_lo),
         diag_hi=np.int64(diag_hi),
         softcap=_softcap_attribute(softcap),
+        tf32_passes=_tf32_passes_attribute(q.dtype, tf32_passes),
     )
 
 
@@ -89,7 +102,7 @@ _DQ_SEMAPHORE_ROWS = 32
 
 
 def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, on_cpu,
-             deterministic=False, segment_ids=None, softcap=None):
+             deterministic=False, segment_ids=None, softcap=None, tf32_passes=1):
     *lead, seqlen_q, num_heads, head_dim = q.shape
     f32 = jnp.float32
     # The CUDA kernels accumulate dq in a float32 scratch; the CPU kernel keeps
@@ -134,11 +147,12 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
         diag_lo=np.int64(diag_lo),
         diag_hi=np.int64(diag_hi),
         softcap=_softcap_attribute(softcap),
+        tf32_passes=_tf32_passes_attribute(q.dtype, tf32_passes),
     )
     return dq, dk, dv
 
 
-def fwd_band_call(softmax_scale, softcap=None):
+def fwd_band_call(softmax_scale, softcap=None, tf32_passes=1):
     """call(q, k, v, diag_lo, diag_hi, segment_ids=None) -> (out, lse): the forward
     kernel on any arrays, its band clamped to their lengths (context_parallel.py's
     chunk pairs: the cap applies score by score, so chunks combine exactly);
@@ -147,12 +161,12 @@ def fwd_band_call(softmax_scale, softcap=None):
     def call(q, k, v, diag_lo, diag_hi, segment_ids=None):
         lo, hi = clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
         return _fwd_ffi(q, k, v, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi,
-                        segment_ids=segment_ids, softcap=softcap)
+                        segment_ids=segment_ids, softcap=softcap, tf32_passes=tf32_passes)
 
     return call
 
 
-def bwd_band_call(softmax_scale, *, on_cpu, deterministic=False, softcap=None):
+def bwd_band_call(softmax_scale, *, on_cpu, deterministic=False, softcap=None, tf32_passes=1):
     """call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi, segment_ids=None) ->
     (dq, dk, dv); on_cpu: the CPU branch of bwd (no dq scratch); deterministic: dq
     bit-identical from run to run."""
@@ -162,6 +176,7 @@ def bwd_band_call(softmax_scale, *, on_cpu, deterministic=False, softcap=None):
         return _bwd_ffi(
             q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi,
             on_cpu=on_cpu, deterministic=deterministic, segment_ids=segment_ids, softcap=softcap,
+            tf32_passes=tf32_passes,
         )
 
     return call
@@ -172,22 +187,23 @@ def _segments(segment_ids):
     return tuple(segment_ids) if segment_ids else None
 
 
-def _fwd_body(q, k, v, *segment_ids, softmax_scale, softcap, diag_lo, diag_hi,
+def _fwd_body(q, k, v, *segment_ids, softmax_scale, softcap, tf32_passes, diag_lo, diag_hi,
               context_parallel):
     """The forward of a whole sequence, in the token order context_parallel declares."""
     return _cp.full_sequence_fwd(
         q, k, v, diag_lo=diag_lo, diag_hi=diag_hi, config=context_parallel,
-        call=fwd_band_call(softmax_scale, softcap), segment_ids=_segments(segment_ids),
+        call=fwd_band_call(softmax_scale, softcap, tf32_passes),
+        segment_ids=_segments(segment_ids),
     )
 
 
-def _bwd_body(q, k, v, out, dout, lse, dlse, *segment_ids, softmax_scale, softcap, diag_lo,
-              diag_hi, context_parallel, on_cpu, deterministic):
+def _bwd_body(q, k, v, out, dout, lse, dlse, *segment_ids, softmax_scale, softcap, tf32_passes,
+              diag_lo, diag_hi, context_parallel, on_cpu, deterministic):
     return _cp.full_sequence_bwd(
         q, k, v, out, dout, lse, dlse, diag_lo=diag_lo, diag_hi=diag_hi,
         config=context_parallel,
         call=bwd_band_call(softmax_scale, on_cpu=on_cpu, deterministic=deterministic,
-                           softcap=softcap),
+                           softcap=softcap, tf32_passes=tf32_passes),
         segment_ids=_segments(segment_ids),
     )
 
@@ -199,65 +215,41 @@ _fwd_native = sharding.partitioned_fwd(_fwd_body, fwd_band_call)
 _bwd_native = sharding.partitioned_bwd(_bwd_body, bwd_band_call)
 
 
-# float32 inputs: the CPU kernel computes in float32 natively. The GPU kernels
-# are half-precision tensor-core kernels, so on GPU float32 inputs are rounded to
-# bfloat16 (float32 range, so no overflow), computed with float32 accumulation,
-# and cast back: the precision of a bfloat16 attention, as documented in the
-# README. lax.platform_dependent picks the branch when the program is lowered.
-_GPU_COMPUTE_DTYPE = jnp.bfloat16
-
-
 def fwd(q, k, v, *, softmax_scale, diag_lo, diag_hi, context_parallel=_cp.DEFAULT_CONFIG,
-        segment_ids=None, softcap=None):
+        segment_ids=None, softcap=None, tf32_passes=1):
     """(out, lse) for kernel-ready inputs; lse is float32 [batch, heads, seqlen_q],
     of the capped scores with softcap.
 
     context_parallel: (strategy, layout, layout axis size), context_parallel.py.
     segment_ids: None, or int32 (q ids [batch, seqlen_q], kv ids [batch, seqlen_k]).
     softcap: None, or the cap c > 0 (a Python float).
+    tf32_passes: 1 or 3, the precision of float32 inputs on CUDA (the module
+    docstring); every dtype goes to the kernels as it is (the CUDA and the CPU
+    kernels read float16, bfloat16 and float32).
     """
-    kw = dict(softmax_scale=softmax_scale, softcap=softcap, diag_lo=diag_lo, diag_hi=diag_hi,
-              context_parallel=context_parallel)
-    ids = tuple(segment_ids or ())
-    if q.dtype != jnp.float32:
-        return _fwd_native(q, k, v, *ids, **kw)
-
-    def on_gpu(q, k, v, *ids):
-        c = _GPU_COMPUTE_DTYPE
-        out, lse = _fwd_native(q.astype(c), k.astype(c), v.astype(c), *ids, **kw)
-        return out.astype(jnp.float32), lse
-
-    return jax.lax.platform_dependent(
-        q, k, v, *ids, cpu=functools.partial(_fwd_native, **kw), default=on_gpu
-    )
+    kw = dict(softmax_scale=softmax_scale, softcap=softcap,
+              tf32_passes=_ffi.check_tf32_passes(tf32_passes), diag_lo=diag_lo,
+              diag_hi=diag_hi, context_parallel=context_parallel)
+    return _fwd_native(q, k, v, *tuple(segment_ids or ()), **kw)
 
 
 def bwd(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi,
         context_parallel=_cp.DEFAULT_CONFIG, deterministic=False, segment_ids=None,
-        softcap=None):
+        softcap=None, tf32_passes=1):
     """(dq, dk, dv) in the input dtype, recomputing attention from (q, k, v, out, lse).
 
     deterministic: gradients bit-identical from run to run (the CUDA kernels add
-    dq in key-block order; the CPU kernel always does). segment_ids, softcap: as
-    for fwd.
+    dq in key-block order; the CPU kernel always does). segment_ids, softcap,
+    tf32_passes: as for fwd. lax.platform_dependent picks the CPU call (no dq
+    scratch) or the CUDA one when the program is lowered.
     """
-    kw = dict(softmax_scale=softmax_scale, softcap=softcap, diag_lo=diag_lo, diag_hi=diag_hi,
-              context_parallel=context_parallel, on_cpu=False,
+    kw = dict(softmax_scale=softmax_scale, softcap=softcap,
+              tf32_passes=_ffi.check_tf32_passes(tf32_passes), diag_lo=diag_lo,
+              diag_hi=diag_hi, context_parallel=context_parallel, on_cpu=False,
               deterministic=bool(deterministic))
     ids = tuple(segment_ids or ())
     on_cpu = functools.partial(_bwd_native, **dict(kw, on_cpu=True))
-    if q.dtype != jnp.float32:
-        on_gpu = functools.partial(_bwd_native, **kw)
-    else:
-
-        def on_gpu(q, k, v, out, dout, lse, dlse, *ids):
-            c = _GPU_COMPUTE_DTYPE
-            grads = _bwd_native(
-                q.astype(c), k.astype(c), v.astype(c), out.astype(c), dout.astype(c), lse, dlse,
-                *ids, **kw,
-            )
-            return tuple(g.astype(jnp.float32) for g in grads)
-
+    on_gpu = functools.partial(_bwd_native, **kw)
     return jax.lax.platform_dependent(
         q, k, v, out, dout, lse, dlse, *ids, cpu=on_cpu, default=on_gpu
     )

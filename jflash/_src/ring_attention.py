@@ -17,40 +17,43 @@ from jflash._src import context_parallel as cp
 from jflash._src import kernel_calls, masks, validation
 
 
-def _fwd_call(softmax_scale):
+def _fwd_call(softmax_scale, tf32_passes):
     def call(q, k, v, diag_lo, diag_hi):
         lo, hi = masks.clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
-        return kernel_calls.fwd(q, k, v, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi)
+        return kernel_calls.fwd(q, k, v, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi,
+                                tf32_passes=tf32_passes)
 
     return call
 
 
-def _bwd_call(softmax_scale):
+def _bwd_call(softmax_scale, tf32_passes):
     def call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi):
         lo, hi = masks.clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
         return kernel_calls.bwd(
-            q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi
+            q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi,
+            tf32_passes=tf32_passes,
         )
 
     return call
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ring(q, k, v, plan, softmax_scale):
-    return cp.sharded_fwd(q, k, v, plan=plan, call=_fwd_call(softmax_scale))
+# tf32: the kernels' tf32_passes (validation.tf32_passes), static like the plan.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _ring(q, k, v, plan, softmax_scale, tf32):
+    return cp.sharded_fwd(q, k, v, plan=plan, call=_fwd_call(softmax_scale, tf32))
 
 
-def _ring_fwd(q, k, v, plan, softmax_scale):
-    out, lse = cp.sharded_fwd(q, k, v, plan=plan, call=_fwd_call(softmax_scale))
+def _ring_fwd(q, k, v, plan, softmax_scale, tf32):
+    out, lse = cp.sharded_fwd(q, k, v, plan=plan, call=_fwd_call(softmax_scale, tf32))
     return (out, lse), (q, k, v, out, lse)
 
 
-def _ring_bwd(plan, softmax_scale, residuals, cotangents):
+def _ring_bwd(plan, softmax_scale, tf32, residuals, cotangents):
     q, k, v, out, lse = residuals
     dout, dlse = cotangents
     return cp.sharded_bwd(
         q, k, v, out, dout.astype(out.dtype), lse, dlse.astype(jnp.float32),
-        plan=plan, call=_bwd_call(softmax_scale),
+        plan=plan, call=_bwd_call(softmax_scale, tf32),
     )
 
 
@@ -73,7 +76,7 @@ def _check_axis_name(axis_name):
 
 
 def ring_attention(query, key, value, *, axis_name, causal=False, softmax_scale=None,
-                   layout="contiguous", strategy="ring", return_lse=False):
+                   layout="contiguous", strategy="ring", return_lse=False, precision=None):
     """Context-parallel attention over the sequence blocks of a shard_map axis.
 
     Call inside jax.shard_map with the sequence axis of query, key and value
@@ -91,13 +94,16 @@ def ring_attention(query, key, value, *, axis_name, causal=False, softmax_scale=
       strategy: "ring" (K/V blocks pass around the ring with ppermute),
         "all_gather" (K/V gathered, dK/dV reduce-scattered) or "auto" (the
         heuristic of jflash.context_parallel_strategy).
-      softmax_scale, return_lse: as for jflash.flash_attention (lse of the whole
-        row, differentiable).
+      softmax_scale, return_lse, precision: as for jflash.flash_attention (lse
+        of the whole row, differentiable; precision: of float32 inputs on GPU).
     """
-    q_shape, k_shape, _ = validation.check_qkv(query, key, value)
+    q_shape, k_shape, dtype = validation.check_qkv(query, key, value)
     causal = validation.check_bool("causal", causal)
     return_lse = validation.check_bool("return_lse", return_lse)
     softmax_scale = validation.check_softmax_scale(softmax_scale, q_shape[3])
+    float32 = dtype == jnp.float32
+    tf32 = validation.tf32_passes(precision)  # validated whatever the dtype
+    tf32 = tf32 if float32 else 1
     if not isinstance(layout, str) or layout not in cp.LAYOUTS:
         raise ValueError(f"layout must be one of {cp.LAYOUTS}, got {layout!r}")
     if not isinstance(strategy, str) or strategy not in cp.STRATEGIES:
@@ -121,12 +127,12 @@ def ring_attention(query, key, value, *, axis_name, causal=False, softmax_scale=
         causal=causal,
     )
     head_dim = q_shape[3]
-    kernel_head_dim = kernel_calls.padded_head_dim(head_dim)
+    kernel_head_dim = kernel_calls.padded_head_dim(head_dim, float32=float32)
     q, k, v = query, key, value
     if kernel_head_dim != head_dim:
         pad = [(0, 0), (0, 0), (0, 0), (0, kernel_head_dim - head_dim)]
         q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
-    out, lse = _ring(q, k, v, plan, float(softmax_scale))
+    out, lse = _ring(q, k, v, plan, float(softmax_scale), tf32)
     if kernel_head_dim != head_dim:
         out = out[..., :head_dim]
     return (out, lse) if return_lse else out

@@ -255,8 +255,8 @@ def _partitioned(call, rule, local_shardings, result_specs, band_call):
     """call(*arrays, **static) partitioned by rule and local_shardings, a
     vmapped axis folded into the batch. result_specs maps the operands' full
     PartitionSpecs to the results' specs (used under Explicit mesh axes only).
-    band_call(softmax_scale, ..., softcap) is the kernel on chunk pairs that a
-    context-parallel lowering calls."""
+    band_call(softmax_scale, ..., softcap=..., tf32_passes=...) is the kernel on
+    chunk pairs that a context-parallel lowering calls."""
 
     def lowering(static, mesh, arg_shapes):
         lower = functools.partial(call, **static)
@@ -327,7 +327,9 @@ def _fwd_shardings(mesh, arg_shapes, lower, static, band_call):
     (q_like, kv, row, ids), _, plan = _local_shardings(mesh, arg_shapes, static, segments)
     if plan is not None:
         lower = _without_mesh_context(functools.partial(
-            cp.sharded_fwd, plan=plan, call=band_call(static["softmax_scale"], static["softcap"])
+            cp.sharded_fwd, plan=plan,
+            call=band_call(static["softmax_scale"], softcap=static["softcap"],
+                           tf32_passes=static["tf32_passes"]),
         ))
     return (q_like, row), (q_like, kv, kv) + (ids, ids) * segments, lower
 
@@ -340,7 +342,8 @@ def _bwd_shardings(mesh, arg_shapes, lower, static, band_call):
         lower = _without_mesh_context(functools.partial(
             cp.sharded_bwd, plan=plan,
             call=band_call(static["softmax_scale"], on_cpu=static["on_cpu"],
-                           deterministic=static["deterministic"], softcap=static["softcap"]),
+                           deterministic=static["deterministic"], softcap=static["softcap"],
+                           tf32_passes=static["tf32_passes"]),
         ))
     if partial_axes:
         unsummed = lower

@@ -229,6 +229,66 @@ def check_bool(name, value):
     return bool(value)
 
 
+# ------------------------------------------------------------------ precision
+
+# The precision of float32 inputs on CUDA, as jax's matmul precision names it:
+# DEFAULT and HIGH run the TF32 kernels (one TF32 MMA per product, as XLA runs a
+# float32 dot at DEFAULT on GPU), HIGHEST the 3xTF32 ones (three per product,
+# float32-class accuracy). The value is the FFI attribute tf32_passes.
+_TF32_PASSES = {jax.lax.Precision.DEFAULT: 1, jax.lax.Precision.HIGH: 1,
+                jax.lax.Precision.HIGHEST: 3}
+_PRECISION_ACCEPTED = (
+    "None (jax_default_matmul_precision), a jax.lax.Precision, one of its names "
+    "('default', 'fastest', 'bfloat16', 'high', 'tensorfloat32', 'bfloat16_3x', "
+    "'highest', 'float32') or a pair (lhs, rhs) of these"
+)
+
+
+def _one_precision(value):
+    """A jax.lax.Precision from a Precision or one of its names, else None."""
+    if isinstance(value, jax.lax.Precision):
+        return value
+    if isinstance(value, str):
+        try:
+            return jax.lax.Precision(value)
+        except ValueError:
+            return None
+    return None
+
+
+def check_precision(precision):
+    """precision as one jax.lax.Precision: a Precision, one of its names, or a
+    pair (lhs, rhs) of those (the higher of the two); None reads
+    jax.config.jax_default_matmul_precision (at trace time; its None is
+    DEFAULT). ValueError for anything else, e.g. a jax.lax.DotAlgorithmPreset
+    or its name, which jflash cannot map to its kernels."""
+    source = "precision"
+    value = precision
+    if precision is None:
+        source = "jax_default_matmul_precision"
+        value = jax.config.jax_default_matmul_precision
+        if value is None:
+            return jax.lax.Precision.DEFAULT
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        parts = [_one_precision(x) for x in value]
+        if all(p is not None for p in parts):
+            return max(parts, key=lambda p: p.value)
+    else:
+        one = _one_precision(value)
+        if one is not None:
+            return one
+    raise ValueError(
+        f"jflash: {source} {_short_repr(value)} is not a precision jflash can run; it "
+        f"accepts {_PRECISION_ACCEPTED}"
+    )
+
+
+def tf32_passes(precision):
+    """The kernels' tf32_passes for float32 inputs (1 or 3) of a precision
+    argument (check_precision): 1 for DEFAULT and HIGH, 3 for HIGHEST."""
+    return _TF32_PASSES[check_precision(precision)]
+
+
 # ------------------------------------------------------------------ decode
 
 # Rows per block of a paged cache must be a multiple of this (the kernels'

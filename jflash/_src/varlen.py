@@ -130,7 +130,7 @@ def _same_array(a, b):
 
 def flash_attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q,
                            max_seqlen_k, causal=False, softmax_scale=None, return_lse=False,
-                           window_size=None, softcap=None, deterministic=False):
+                           window_size=None, softcap=None, deterministic=False, precision=None):
     """Attention over a batch of sequences of different lengths, packed.
 
     Args:
@@ -147,8 +147,8 @@ def flash_attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, *, max
       max_seqlen_q, max_seqlen_k: static ints >= 1, FlashAttention's
         arguments; the kernels find each tile's keys from the sequence ids and
         do not need them.
-      causal, window_size, softcap, softmax_scale, deterministic: as in
-        flash_attention, applied within each sequence and aligned bottom-right
+      causal, window_size, softcap, softmax_scale, deterministic, precision: as
+        in flash_attention, applied within each sequence and aligned bottom-right
         in it (query i of a sequence with sq queries and sk keys sees key j iff
         j <= i + sk - sq under causal).
       return_lse: also return lse [num_heads, total_q] (float32).
@@ -168,7 +168,7 @@ def flash_attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, *, max
     window = validation.check_window_size(window_size)
     banded = causal or (window is not None and max(window) >= 0)
     kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window, softcap=softcap,
-              deterministic=deterministic, return_lse=True)
+              deterministic=deterministic, precision=precision, return_lse=True)
     same = _same_array(cu_seqlens_q, cu_seqlens_k)
     if not banded or same:
         if banded and total_q != total_k:

@@ -22,7 +22,7 @@ from flax import nnx
 
 from jflash._src import validation
 from jflash._src.decode import flash_attention_with_kvcache
-from jflash._src.dot_product_attention import _unsupported, _window, dot_product_attention
+from jflash._src.dot_product_attention import _unsupported, _window, attention
 
 
 def _check_batch_dims(query, key, value):
@@ -156,13 +156,20 @@ def attention_fn(
     """Drop-in attention_fn for flax.linen and flax.nnx attention layers.
 
     jflash runs when there is no bias or mask, no active dropout (dropout_rate 0
-    or deterministic), no sown weights (module None), no custom einsums, no
-    explicit precision, and the kernels take q, k, v (float16, bfloat16 or
-    float32 after promotion, head dim <= 256); otherwise Flax's own
-    dot_product_attention runs (linen's for a linen module, nnx's for an nnx
-    one; without a module, nnx's when is_causal is passed). q, k and v must
-    have the same batch dims (ValueError, as in Flax). The softmax always runs in
-    float32, so force_fp32_for_softmax needs nothing.
+    or deterministic), no sown weights (module None), no custom einsums, a
+    precision that jflash maps to its kernels, and the kernels take q, k, v
+    (float16, bfloat16 or float32 after promotion, head dim <= 256); otherwise
+    Flax's own dot_product_attention runs (linen's for a linen module, nnx's for
+    an nnx one; without a module, nnx's when is_causal is passed). q, k and v
+    must have the same batch dims (ValueError, as in Flax). The softmax always
+    runs in float32, so force_fp32_for_softmax needs nothing.
+
+    precision (Flax's layers pass their own): None (jax_default_matmul_precision),
+    a jax.lax.Precision, one of its names or a pair of these run on the kernels at
+    that precision (float32 on GPU: TF32 at DEFAULT and HIGH, 3xTF32 at HIGHEST;
+    see jflash.flash_attention); anything else (a jax.lax.DotAlgorithm or
+    DotAlgorithmPreset, also as jax_default_matmul_precision) goes to Flax's
+    function.
 
     Causal attention: nnx passes is_causal itself (MultiHeadAttention(...)(x,
     is_causal=True)); with linen, bind it, attention_fn=functools.partial(
@@ -200,7 +207,7 @@ def attention_fn(
         or dropout
         or module is not None
         or custom_einsums
-        or precision is not None
+        or not _kernels_take_precision(precision)
         or _kernels_cannot_run(query, key, value, dtype) is not None
     ):
         linen_only = {}
@@ -227,7 +234,18 @@ def attention_fn(
     return attend(
         query, key, value, is_causal=bool(is_causal), local_window_size=window,
         implementation=None, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        precision=precision,
     )
+
+
+def _kernels_take_precision(precision):
+    """Whether jflash maps precision (None: jax_default_matmul_precision) to its
+    kernels (validation.check_precision); Flax's function takes the rest."""
+    try:
+        validation.check_precision(precision)
+    except ValueError:
+        return False
+    return True
 
 
 def _shapes_4d(query, key, value, dtype):
@@ -246,10 +264,12 @@ def _kernels_cannot_run(query, key, value, dtype):
 
 
 def attend(query, key, value, *, is_causal, local_window_size, implementation, softcap=None,
-           q_segment_ids=None, kv_segment_ids=None):
+           q_segment_ids=None, kv_segment_ids=None, precision=None):
     """jflash.dot_product_attention on [batch..., length, heads, head_dim] arrays,
     q/k/v promoted to their common dtype first as Flax does; segment ids
-    [batch..., length_q] and [batch..., length_kv], or None."""
+    [batch..., length_q] and [batch..., length_kv], or None; precision: None
+    (jax_default_matmul_precision) or a value validation.check_precision takes,
+    for the kernels and for jax's function where it runs."""
     _check_batch_dims(query, key, value)
     _window_pair(local_window_size)
     segment_ids = _segment_ids(query, key, q_segment_ids, kv_segment_ids)
@@ -260,7 +280,7 @@ def attend(query, key, value, *, is_causal, local_window_size, implementation, s
         jnp.reshape(jnp.asarray(x, s.dtype), s.shape)
         for x, s in zip((query, key, value), _shapes_4d(query, key, value, None), strict=True)
     )
-    out = dot_product_attention(
+    out = attention(
         query,
         key,
         value,
@@ -270,6 +290,7 @@ def attend(query, key, value, *, is_causal, local_window_size, implementation, s
         softcap=softcap,
         q_segment_ids=None if segment_ids is None else segment_ids[0],
         kv_segment_ids=None if segment_ids is None else segment_ids[1],
+        precision=precision,
     )
     return jnp.reshape(out, (*batch_shape, *out.shape[1:]))
 

@@ -52,6 +52,10 @@ class MultiHeadAttention(nn.Module):
       decode: run as one step of autoregressive decoding with a KV cache (above).
       softcap: None, or c > 0: the logits become c * tanh(logits / c) (Gemma 2's
         attention logit soft-capping; on jflash's kernels only).
+      precision: as Flax's layer's: the precision of the projections and of the
+        attention (jflash.flash_attention's precision: float32 on GPU runs TF32
+        at None/DEFAULT/HIGH, 3xTF32 at HIGHEST); not of decode steps
+        (jflash.flash_attention_with_kvcache has one precision per dtype).
     """
 
     num_heads: int
@@ -68,6 +72,7 @@ class MultiHeadAttention(nn.Module):
     implementation: str | None = None
     decode: bool = False
     softcap: float | None = None
+    precision: Any = None
 
     @nn.compact
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, segment_ids=None,
@@ -106,6 +111,7 @@ class MultiHeadAttention(nn.Module):
             kernel_init=self.kernel_init,
             bias_init=self.bias_init,
             use_bias=self.use_bias,
+            precision=self.precision,
         )
         query = dense(features=(self.num_heads, head_dim), name="query")(inputs_q)
         key = dense(features=(num_kv_heads, head_dim), name="key")(inputs_k)
@@ -130,6 +136,7 @@ class MultiHeadAttention(nn.Module):
                 softcap=self.softcap,
                 q_segment_ids=q_segment_ids,
                 kv_segment_ids=kv_segment_ids,
+                precision=self.precision,
             )
         return nn.DenseGeneral(
             features=self.out_features or inputs_q.shape[-1],
@@ -139,6 +146,7 @@ class MultiHeadAttention(nn.Module):
             kernel_init=self.kernel_init,
             bias_init=self.bias_init,
             use_bias=self.use_bias,
+            precision=self.precision,
             name="out",
         )(x)
 

@@ -48,6 +48,10 @@ class MultiHeadAttention(nnx.Module):
       decode: the default of __call__'s decode.
       softcap: None, or c > 0: the logits become c * tanh(logits / c) (on
         jflash's kernels only).
+      precision: as Flax's layer's: the precision of the projections and of the
+        attention (jflash.flash_attention's precision: float32 on GPU runs TF32
+        at None/DEFAULT/HIGH, 3xTF32 at HIGHEST); not of decode steps
+        (jflash.flash_attention_with_kvcache has one precision per dtype).
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class MultiHeadAttention(nnx.Module):
         implementation: str | None = None,
         decode: bool = False,
         softcap: float | None = None,
+        precision: Any = None,
         rngs: nnx.Rngs,
     ):
         qkv_features = qkv_features or in_features
@@ -94,6 +99,7 @@ class MultiHeadAttention(nnx.Module):
         self.cached_value = nnx.data(None)
         self.cache_index = nnx.data(None)
         self.softcap = softcap
+        self.precision = precision
 
         def linear(in_features, out_features, **kw):
             return nnx.LinearGeneral(
@@ -104,6 +110,7 @@ class MultiHeadAttention(nnx.Module):
                 kernel_init=kernel_init,
                 bias_init=bias_init,
                 use_bias=use_bias,
+                precision=precision,
                 rngs=rngs,
                 **kw,
             )
@@ -164,5 +171,6 @@ class MultiHeadAttention(nnx.Module):
                 softcap=self.softcap,
                 q_segment_ids=q_segment_ids,
                 kv_segment_ids=kv_segment_ids,
+                precision=self.precision,
             )
         return self.out(x)

@@ -41,6 +41,16 @@ inline constexpr int kNumSoftcapHeadDims = sizeof(kSoftcapHeadDims) / sizeof(kSo
 static_assert(kSoftcapHeadDims[kNumSoftcapHeadDims - 1] == kMaxKernelHeadDim,
               "every head dim pads up to a softcap head dim");
 
+// The float32 kernels (TF32 tensor-core MMAs, one or three passes: the
+// precision of a float32 call, jflash/params.h tf32_passes) are built for these
+// head dims only (build time: each doubles for the two precisions); Python pads
+// a float32 call's head dim up to the next of them, on every platform, like
+// the lists above.
+inline constexpr int kFloat32HeadDims[] = {64, 128, 256};
+inline constexpr int kNumFloat32HeadDims = sizeof(kFloat32HeadDims) / sizeof(kFloat32HeadDims[0]);
+static_assert(kFloat32HeadDims[kNumFloat32HeadDims - 1] == kMaxKernelHeadDim,
+              "every head dim pads up to a float32 head dim");
+
 // The Hopper kernels (csrc/cuda/sm90/, forward and backward) are built for
 // these head dims. On Hopper, a call at another entry of kKernelHeadDims runs
 // the Hopper kernel of the next of these (sm90_kernel_head_dim): its TMA

@@ -67,6 +67,13 @@ struct FwdParams {
 
   // The kernels' dispatch key for the score (beside params.mask.kind()).
   ScoreKind score_kind() const { return softcap > 0.f ? ScoreKind::kSoftcap : ScoreKind::kPlain; }
+
+  // float32 inputs on CUDA: tensor-core passes per product, 1 (TF32: operands
+  // rounded to 10 mantissa bits) or 3 (3xTF32: each operand split into a TF32
+  // high and low part, for float32-class products). Last in the struct, so
+  // that no other field moved. The half-precision kernels and the CPU kernels
+  // (float32 arithmetic) ignore it.
+  int tf32_passes = 1;
 };
 
 // Counters per (batch, head) in dq_semaphore: two per 32 query rows, enough for
