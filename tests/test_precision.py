@@ -258,7 +258,8 @@ def test_ring_attention_passes_precision(rng):
     # Host CPU devices (conftest.py makes 8), so that this runs beside a single GPU too.
     cpus = jax.devices("cpu")[:4]
     mesh = jax.make_mesh((4,), ("s",), axis_types=(AxisType.Auto,), devices=cpus)
-    q, k, v = (jax.device_put(x, cpus[0]) for x in _inputs(rng, (1, 64, 64, 2, 2, 32)))
+    q, k, v = (jax.device_put(x, jax.sharding.NamedSharding(mesh, P()))
+               for x in _inputs(rng, (1, 64, 64, 2, 2, 32)))
 
     def fn(precision):
         ring = functools.partial(jflash.context_parallel.ring_attention, axis_name="s",
