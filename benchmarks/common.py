@@ -467,3 +467,28 @@ def relative_errors(attention, q, k, v, cotangent, *, causal, mode, num_heads=1,
 def fmt_rate(x):
     """A rate with one decimal from 10 up, three significant digits below."""
     return None if x is None else (f"{x:.1f}" if x >= 10 else f"{x:.3g}")
+
+
+def cell_rate(cell, impl):
+    """The TFLOP/s text of one row of a summary cell (impl -> record): None where
+    the row was not run, "n/a" where it was unavailable, "ERR" where it failed."""
+    r = cell.get(impl)
+    if r is None:
+        return None
+    if r["status"] != "ok":
+        return {"unavailable": "n/a", "error": "ERR"}.get(r["status"], "?")
+    return fmt_rate(r["tflops"])
+
+
+def cell_ratio(cell, a, b):
+    """TFLOP/s of row a over row b of a summary cell; None unless both ran."""
+    ra, rb = cell.get(a), cell.get(b)
+    if ra and rb and ra["status"] == rb["status"] == "ok":
+        return ra["tflops"] / rb["tflops"]
+    return None
+
+
+def print_run_header(env, out):
+    """The first line of a GPU benchmark's output: device, versions, where results go."""
+    print(f"{env['device_kind']}, jax {env['jax_version']}, jflash {env['jflash_commit']}, "
+          f"jflash CUDA kernels: {env['jflash_has_cuda_kernels']}; results -> {out}", flush=True)

@@ -170,19 +170,8 @@ def summary_table(records, impls):
         key = (r["head_dim"], r["seq"], r["causal"], r["mode"])
         cells.setdefault(key, {})[r["impl"]] = r
 
-    def rate(cell, impl):
-        r = cell.get(impl)
-        if r is None:
-            return None
-        if r["status"] != "ok":
-            return {"unavailable": "n/a", "error": "ERR"}.get(r["status"], "?")
-        return common.fmt_rate(r["tflops"])
-
     def ratio(cell, a, b):
-        ra, rb = cell.get(a), cell.get(b)
-        if ra and rb and ra["status"] == rb["status"] == "ok":
-            return common.fmt(ra["tflops"] / rb["tflops"], 2)
-        return None
+        return common.fmt(common.cell_ratio(cell, a, b), 2)
 
     def err(cell, impl):
         value = (cell.get(impl) or {}).get("max_abs_err")
@@ -191,7 +180,7 @@ def summary_table(records, impls):
     rows = []
     for (head_dim, seq, causal, mode), cell in cells.items():
         rows.append([head_dim, seq, "yes" if causal else "no", mode]
-                    + [rate(cell, i) for i in impls]
+                    + [common.cell_rate(cell, i) for i in impls]
                     + [ratio(cell, "jflash_3xtf32", "jflash_tf32"),
                        ratio(cell, "jflash_tf32", "xla_default"),
                        ratio(cell, "jflash_3xtf32", "xla_highest")]
@@ -231,8 +220,7 @@ def main(argv=None):
     started = time.perf_counter()
     env = common.environment_record()
     out = args.out or common.default_results_path("float32", env["device_kind"])
-    print(f"{env['device_kind']}, jax {env['jax_version']}, jflash {env['jflash_commit']}, "
-          f"jflash CUDA kernels: {env['jflash_has_cuda_kernels']}; results -> {out}", flush=True)
+    common.print_run_header(env, out)
     payload = dict(benchmark="float32", environment=env,
                    args={k: (str(v) if isinstance(v, pathlib.Path) else v)
                          for k, v in vars(args).items()},

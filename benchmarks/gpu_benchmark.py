@@ -370,8 +370,7 @@ def main(argv=None):
     started = time.perf_counter()
     env = common.environment_record()
     out = args.out or common.default_results_path("gpu", env["device_kind"])
-    print(f"{env['device_kind']}, jax {env['jax_version']}, jflash {env['jflash_commit']}, "
-          f"jflash CUDA kernels: {env['jflash_has_cuda_kernels']}; results -> {out}", flush=True)
+    common.print_run_header(env, out)
     flop_convention = "fwd 4*B*H*Sq*Sk*D, /2 causal; bwd 2.5x fwd; fwdbwd 3.5x fwd"
     if args.value_head_dim is not None:
         flop_convention = ("fwd 2*B*H*Sq*Sk*(D+Dv), bwd 2*B*H*Sq*Sk*(3*D+2*Dv), /2 causal; "

@@ -200,28 +200,14 @@ def summary_table(records):
     for r in records:
         cells.setdefault((r["causal"], r["mode"]), {})[r["impl"]] = r
 
-    def rate(cell, impl):
-        r = cell.get(impl)
-        if r is None:
-            return None
-        if r["status"] != "ok":
-            return {"unavailable": "n/a", "error": "ERR"}.get(r["status"], "?")
-        return common.fmt_rate(r["tflops"])
-
-    def ratio(cell, a, b):
-        ra, rb = cell.get(a), cell.get(b)
-        if ra and rb and ra["status"] == rb["status"] == "ok":
-            return ra["tflops"] / rb["tflops"]
-        return None
-
     rows = []
     for (causal, mode), cell in cells.items():
-        target = ratio(cell, "jflash_varlen", "jflash_mean")
-        rows.append(["yes" if causal else "no", mode] + [rate(cell, i) for i in IMPLS] +
+        target = common.cell_ratio(cell, "jflash_varlen", "jflash_mean")
+        rows.append(["yes" if causal else "no", mode] + [common.cell_rate(cell, i) for i in IMPLS] +
                     [common.fmt(target, 2),
                      None if target is None else ("yes" if target >= TARGET else "NO"),
-                     common.fmt(ratio(cell, "jflash_varlen", "cudnn_padded"), 2),
-                     common.fmt(ratio(cell, "jflash_varlen", "jflash_padded"), 2)])
+                     common.fmt(common.cell_ratio(cell, "jflash_varlen", "cudnn_padded"), 2),
+                     common.fmt(common.cell_ratio(cell, "jflash_varlen", "jflash_padded"), 2)])
     return common.format_table(
         ["causal", "mode", "varlen", "dense@mean", "cudnn padded", "jflash padded",
          "varlen/mean", f">= {TARGET:.2f}", "varlen/cudnn", "varlen/padded"], rows)
@@ -260,8 +246,7 @@ def main(argv=None):
     env = common.environment_record()
     out = args.out or common.default_results_path("varlen", env["device_kind"])
     batch, seq = mean_shape(lengths)
-    print(f"{env['device_kind']}, jax {env['jax_version']}, jflash {env['jflash_commit']}, "
-          f"jflash CUDA kernels: {env['jflash_has_cuda_kernels']}; results -> {out}", flush=True)
+    common.print_run_header(env, out)
     print(f"{len(lengths)} sequences, {sum(lengths)} tokens (longest {max(lengths)}, mean "
           f"{sum(lengths) / len(lengths):.1f}; dense at the mean: batch {batch} x seq {seq}): "
           f"{lengths}", flush=True)

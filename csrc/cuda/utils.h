@@ -82,7 +82,9 @@ __device__ __forceinline__ void mma_slice(TiledMma const& tiled_mma, FragA&& a, 
     split_fragment_tf32(a, a_lo);
     constexpr int kN = decltype(size<1>(b))::value;
     constexpr int kM = decltype(size<1>(a))::value;
-    constexpr int kGroup = kN % (4 / (kM < 4 ? kM : 4)) == 0 ? 4 / (kM < 4 ? kM : 4) : 1;
+    // Up to 4 (m, n) sums in flight: 4 / kM columns where they divide kN.
+    constexpr int kWanted = kM >= 4 ? 1 : 4 / kM;
+    constexpr int kGroup = kN % kWanted == 0 ? kWanted : 1;
     CUTE_UNROLL
     for (int n0 = 0; n0 < kN; n0 += kGroup) {
       using BLo = decltype(make_fragment_like(b(_, 0)));
