@@ -9,8 +9,10 @@ from __future__ import annotations
 import glob
 import os
 import pathlib
+import re
 import shutil
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -98,3 +100,65 @@ def test_grid_chunks(tmp_path):
     assert build.returncode == 0, build.stderr[-4000:]
     result = subprocess.run([str(binary)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.endswith("ok\n"), result.stdout[-4000:]
+
+
+def _expected_unit(name):
+    """The translation unit csrc/cuda/cuda.cmake puts an instantiation file in."""
+    m = re.fullmatch(r"flash_decode_(fp16|bf16)_hdim(\d+)\.cu", name)
+    if m:
+        return f"flash_decode_hdim{m[2]}"
+    m = re.fullmatch(r"flash_(fwd|bwd)(_small|_sm90)?_(fp16|bf16|tf32|tf32x3)_hdim(\d+)"
+                     r"_(full|band|segments)(_softcap)?\.cu", name)
+    assert m, name
+    direction, family, dtype, head_dim, _, score = m.groups(default="")
+    if family == "_sm90":
+        return f"flash_{direction}_sm90_hdim{head_dim}{score}"
+    if dtype.startswith("tf32"):
+        return f"flash_{direction}_{dtype}_hdim{head_dim}{score}"
+    return f"flash_{direction}_hdim{head_dim}{score}"
+
+
+def test_cmake_groups_instantiations_into_units(tmp_path):
+    """A full build's configure step makes one translation unit per direction, family,
+    head dim, score kind (and precision for float32), each in the object library whose
+    -gencode flags fit it: a unit that swallows others serializes the build, and a float32
+    unit in the sm80 library has no sm_90a SASS in a user's build."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    cmake = shutil.which("cmake")
+    if not (root / "csrc" / "cuda" / "cuda.cmake").is_file() or cmake is None \
+            or shutil.which("nvcc") is None:
+        pytest.skip("needs the source tree, cmake and nvcc")
+    try:
+        import cutlass_library  # noqa: F401  (the CuTe headers the configure step asks for)
+    except ImportError:
+        pytest.skip("needs nvidia-cutlass")
+    build = tmp_path / "build"
+    configure = subprocess.run(
+        [cmake, "-S", str(root), "-B", str(build), "-DJFLASH_CUDA=ON",
+         "-DJFLASH_CUDA_SUBSET=all", f"-DPython_EXECUTABLE={sys.executable}"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert configure.returncode == 0, configure.stdout[-4000:] + configure.stderr[-4000:]
+    instantiations = sorted(p.name for p in (root / "csrc" / "cuda" / "instantiations").glob("*.cu"))
+    expected = {}
+    for name in instantiations:
+        expected.setdefault(_expected_unit(name), []).append(name)
+    units = {p.stem: p.read_text() for p in (build / "jflash_kernels").glob("*.cu")}
+    assert sorted(units) == sorted(expected)
+    for unit, names in expected.items():
+        included = re.findall(r'#include "cuda/instantiations/([^"]+)"', units[unit])
+        assert sorted(included) == sorted(names), unit
+    # Each unit's object library (its compile flags): read from the generated build files.
+    build_files = "\n".join(p.read_text(errors="replace") for p in build.rglob("*")
+                            if p.is_file() and p.suffix in ("", ".make", ".ninja", ".txt")
+                            and p.stat().st_size < 1 << 24)
+    for unit in units:
+        if unit.startswith("flash_decode_"):
+            library = "jflash_cuda"
+        elif "_sm90_" in unit:
+            library = "jflash_cuda_sm90"
+        elif "_tf32" in unit:
+            library = f"jflash_cuda_float32_{unit.split('_')[1]}"
+        else:
+            library = "jflash_cuda_sm80"
+        assert f"{library}.dir/jflash_kernels/{unit}.cu" in build_files, (unit, library)
