@@ -239,10 +239,6 @@ set(_gencode_sm80 "${_gencode}")
 if("80" IN_LIST JFLASH_CUDA_ARCHS AND NOT JFLASH_CUDA_SM80_HOPPER_SASS)
   list(REMOVE_ITEM _gencode_sm80 "-gencode=arch=compute_90a,code=sm_90a")
 endif()
-if(_sm80_sources)
-  target_compile_options(jflash_cuda_sm80 PRIVATE
-    ${_gencode_sm80} -O3 --expt-relaxed-constexpr -lineinfo)
-endif()
 # The float32 kernels are the sm80 kernels on TF32 MMAs and have no Hopper
 # counterpart (wgmma takes TF32 operands K-major only, and P V's V is not):
 # Hopper runs them, so they get SASS for every arch of the list. The forward
@@ -258,17 +254,13 @@ if("80" IN_LIST JFLASH_CUDA_ARCHS AND "90a" IN_LIST JFLASH_CUDA_ARCHS)
                                         "-gencode=arch=compute_90a,code=sm_90a")
   list(APPEND _gencode_float32_fwd "-gencode=arch=compute_80,code=[sm_80,sm_90]")
 endif()
-if(_float32_fwd_sources)
-  target_compile_options(jflash_cuda_float32_fwd PRIVATE
-    ${_gencode_float32_fwd} -O3 --expt-relaxed-constexpr -lineinfo)
-endif()
-if(_float32_bwd_sources)
-  target_compile_options(jflash_cuda_float32_bwd PRIVATE
-    ${_gencode} -O3 --expt-relaxed-constexpr -lineinfo)
-endif()
-if(_sm90_sources)
-  target_compile_options(jflash_cuda_sm90 PRIVATE
-    -gencode=arch=compute_90a,code=sm_90a -O3 --expt-relaxed-constexpr -lineinfo)
-endif()
+set(_gencode_float32_bwd "${_gencode}")
+set(_gencode_sm90 "-gencode=arch=compute_90a,code=sm_90a")
+foreach(_library IN ITEMS float32_bwd sm80 sm90 float32_fwd)
+  if(_${_library}_sources)
+    target_compile_options(jflash_cuda_${_library} PRIVATE
+      ${_gencode_${_library}} -O3 --expt-relaxed-constexpr -lineinfo)
+  endif()
+endforeach()
 target_link_libraries(jflash_cuda PRIVATE CUDA::cudart_static)
 install(TARGETS jflash_cuda LIBRARY DESTINATION ${JFLASH_INSTALL_DIR})
