@@ -131,6 +131,11 @@ foreach(_file IN LISTS _instantiations)
       set(_group "flash_${_dir}_hdim${_hdim}${_score}")
     endif()
   endif()
+  # A malformed group name would put several groups' kernels in one unit (a
+  # serial build) or in the wrong object library (the wrong SASS).
+  if(NOT _group MATCHES "^flash_(fwd|bwd|decode)(_sm90|_tf32|_tf32x3)?_hdim[0-9]+(_softcap)?$")
+    message(FATAL_ERROR "jflash: ${_name} went to the translation unit '${_group}'")
+  endif()
   if(NOT _group IN_LIST _groups)
     list(APPEND _groups "${_group}")
     set(_includes_${_group} "")
