@@ -30,6 +30,7 @@ import socket
 import statistics
 import subprocess
 import time
+import traceback
 from typing import Callable
 
 import jax
@@ -219,6 +220,37 @@ def check_finite_nonzero(q_final):
     if rms == 0.0:
         raise FloatingPointError("all-zero values after the timed loop")
     return rms
+
+
+class Unavailable(Exception):
+    """A row that cannot run here (no GPU for cuDNN, a build without CUDA kernels,
+    a shape jax rejects, too much memory for XLA): recorded, not an error."""
+
+
+def record_timing(rec, timing, iterations):
+    """A timed row's record: the loop's final rms (raises if it degenerated),
+    time_loop's statistics and the loop length."""
+    rec["final_q_rms"] = check_finite_nonzero(timing.pop("last_carry")[0])
+    rec.update(timing, iterations=iterations)
+
+
+def record_failure(rec, exc):
+    """A row that did not run, from inside its `except`: "unavailable" with the
+    reason for Unavailable, else "error" with the exception and its traceback,
+    so that the other rows still run."""
+    if isinstance(exc, Unavailable):
+        rec.update(status="unavailable", note=str(exc))
+    else:
+        rec.update(status="error", note=f"{type(exc).__name__}: {exc}"[:1500],
+                   traceback=traceback.format_exc()[-4000:])
+
+
+def add_loop_args(parser):
+    """The timed loop's options (iterations_for, time_loop) of the attention benchmarks."""
+    parser.add_argument("--target-ms", type=float, default=50.0, help="length of one timed loop")
+    parser.add_argument("--max-iterations", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5, help="at least this many timed loops")
+    parser.add_argument("--min-total-s", type=float, default=0.25)
 
 
 def iterations_for(flops, assumed_flops_per_s, target_s, lo=1, hi=200):

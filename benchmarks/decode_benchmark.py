@@ -35,7 +35,6 @@ import math
 import pathlib
 import sys
 import time
-import traceback
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
@@ -47,10 +46,6 @@ CACHES = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
 BATCHES = (1, 8, 32)
 SMOKE = dict(batches=[1, 2], caches=[256, 1024], copy_mb=64, rotate_mb=0, max_iterations=20,
              repeats=2)
-
-
-class Unavailable(Exception):
-    """The impl cannot run this row here (no GPU for cuDNN, a layout jax.nn lacks)."""
 
 
 def make_cache(key, batch, capacity, args):
@@ -89,9 +84,9 @@ def attention_call(impl, layout, args, lengths, table, num_splits=None):
 
     if impl in ("xla", "cudnn"):
         if layout != "contiguous":
-            raise Unavailable("jax.nn.dot_product_attention takes contiguous keys only")
+            raise common.Unavailable("jax.nn.dot_product_attention takes contiguous keys only")
         if impl == "cudnn" and jax.devices()[0].platform != "gpu":
-            raise Unavailable("cuDNN needs a CUDA GPU")
+            raise common.Unavailable("cuDNN needs a CUDA GPU")
 
         def peer(q, k_cache, v_cache, k_new, v_new):
             out = jax.nn.dot_product_attention(q, k_cache, v_cache, key_value_seq_lengths=lengths,
@@ -204,15 +199,11 @@ def run_row(impl, layout, batch, cache, tensors, args, num_splits=None):
         loop = decode_loop(step, len(caches), iterations)
         timing = common.time_loop(loop, (q, tuple(caches), k_new, v_new),
                                   iterations=iterations * len(caches), min_repeats=args.repeats)
-        rec["final_q_rms"] = common.check_finite_nonzero(timing.pop("last_carry")[0])
-        rec.update(timing, iterations=iterations)
+        common.record_timing(rec, timing, iterations)
         rec["bandwidth_gbs"] = rec["bytes"] / timing["median_s"] / 1e9
         rec["status"] = "ok"
-    except Unavailable as exc:
-        rec.update(status="unavailable", note=str(exc))
     except Exception as exc:  # recorded; the other rows still run
-        rec.update(status="error", note=f"{type(exc).__name__}: {exc}"[:1500],
-                   traceback=traceback.format_exc()[-4000:])
+        common.record_failure(rec, exc)
     return rec
 
 

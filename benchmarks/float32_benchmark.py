@@ -37,7 +37,6 @@ import argparse
 import pathlib
 import sys
 import time
-import traceback
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
@@ -51,10 +50,6 @@ _ASSUMED_FLOPS_PER_S = {
             "xla_highest": 2e13},
     "cpu": 3e10,
 }
-
-
-class Unavailable(Exception):
-    """The row cannot run here (a jflash build without CUDA kernels on a GPU): not an error."""
 
 
 def parse_shapes(parser, text):
@@ -81,7 +76,8 @@ def attention_fn(impl, causal, platform):
         import jflash
 
         if platform == "gpu" and not jflash.HAS_CUDA_KERNELS:
-            raise Unavailable("this jflash build has no CUDA kernels (built with JFLASH_CUDA=OFF?)")
+            raise common.Unavailable(
+                "this jflash build has no CUDA kernels (built with JFLASH_CUDA=OFF?)")
         precision = "highest" if impl == "jflash_3xtf32" else None
         return lambda q, k, v: jflash.flash_attention(q, k, v, causal=causal, precision=precision)
     if impl in ("xla_default", "xla_highest"):
@@ -148,17 +144,11 @@ def run_one(impl, shape, causal, mode, inputs, args, platform):
         loop = common.make_loop(attention, mode, iterations)
         timing = common.time_loop(loop, inputs, iterations=iterations, min_repeats=args.repeats,
                                   max_repeats=max(args.repeats, 30), min_total_s=args.min_total_s)
-        rec["final_q_rms"] = common.check_finite_nonzero(timing.pop("last_carry")[0])
-        rec.update(timing, iterations=iterations)
+        common.record_timing(rec, timing, iterations)
         rec["tflops"] = common.tflops(rec["flops"], timing["median_s"])
         rec["status"] = "ok"
-    except Unavailable as exc:
-        rec["status"] = "unavailable"
-        rec["note"] = str(exc)
     except Exception as exc:  # recorded (XLA out of memory at 16k, say); the other rows still run
-        rec["status"] = "error"
-        rec["note"] = f"{type(exc).__name__}: {exc}"[:1500]
-        rec["traceback"] = traceback.format_exc()[-4000:]
+        common.record_failure(rec, exc)
     return rec
 
 
@@ -199,10 +189,7 @@ def main(argv=None):
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     parser.add_argument("--modes", default="fwd,fwdbwd", help="comma list of fwd,fwdbwd")
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma list of " + ",".join(IMPLS))
-    parser.add_argument("--target-ms", type=float, default=50.0, help="length of one timed loop")
-    parser.add_argument("--max-iterations", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=5, help="at least this many timed loops")
-    parser.add_argument("--min-total-s", type=float, default=0.25)
+    common.add_loop_args(parser)
     parser.add_argument("--check-rows", type=int, default=256,
                         help="query rows (batch 0, head 0) of the float64 error check")
     parser.add_argument("--no-check", dest="check", action="store_false",

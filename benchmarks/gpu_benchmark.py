@@ -66,7 +66,6 @@ import argparse
 import pathlib
 import sys
 import time
-import traceback
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
@@ -100,10 +99,6 @@ _ASSUMED_FLOPS_PER_S = {
 }
 
 
-class Unavailable(Exception):
-    """The impl cannot run here (no GPU for cuDNN, too much memory for XLA): not an error."""
-
-
 def attention_fn(impl, causal, platform, softcap=None, window=None):
     """impl's attention(q, k, v); softcap: that of jflash_softcap; window:
     (left, 0), that of jflash_window and cudnn_window."""
@@ -113,7 +108,8 @@ def attention_fn(impl, causal, platform, softcap=None, window=None):
         import jflash
 
         if platform == "gpu" and not jflash.HAS_CUDA_KERNELS:
-            raise Unavailable("this jflash build has no CUDA kernels (built with JFLASH_CUDA=OFF?)")
+            raise common.Unavailable(
+                "this jflash build has no CUDA kernels (built with JFLASH_CUDA=OFF?)")
         det = impl == "jflash_det"
         cap = softcap if impl == "jflash_softcap" else None
         win = window if impl == "jflash_window" else None
@@ -121,7 +117,7 @@ def attention_fn(impl, causal, platform, softcap=None, window=None):
                                                       softcap=cap, window_size=win)
     if impl in ("cudnn", "cudnn_window"):
         if platform != "gpu":
-            raise Unavailable(f"cuDNN attention needs a CUDA GPU; running on {platform}")
+            raise common.Unavailable(f"cuDNN attention needs a CUDA GPU; running on {platform}")
         # jax.nn's window is top-left aligned: with seq_q == seq_k it is jflash's.
         win = window if impl == "cudnn_window" else None
         return lambda q, k, v: jax.nn.dot_product_attention(
@@ -168,8 +164,8 @@ def run_one(impl, shape, causal, mode, inputs, args, platform, data="normal"):
         if impl == "xla":
             scores_gb = batch * heads * seq * seq * 4 / 1e9
             if scores_gb > args.xla_max_gb:
-                raise Unavailable(f"skipped: S x S float32 scores need {scores_gb:.3g} GB "
-                                  f"> --xla-max-gb {args.xla_max_gb}")
+                raise common.Unavailable(f"skipped: S x S float32 scores need {scores_gb:.3g} GB "
+                                         f"> --xla-max-gb {args.xla_max_gb}")
         softcap = args.softcap if impl == "jflash_softcap" else None
         if softcap is not None:
             rec["softcap"] = softcap
@@ -182,8 +178,9 @@ def run_one(impl, shape, causal, mode, inputs, args, platform, data="normal"):
             try:
                 jax.eval_shape(attention, *inputs[:3])
             except (ValueError, NotImplementedError) as exc:
-                raise Unavailable(f"jax.nn.dot_product_attention rejects value head dim {dv} "
-                                  f"!= head dim {head_dim}: {type(exc).__name__}: {exc}") from exc
+                raise common.Unavailable(
+                    f"jax.nn.dot_product_attention rejects value head dim {dv} "
+                    f"!= head dim {head_dim}: {type(exc).__name__}: {exc}") from exc
         if not args.no_check:
             rec["rel_err"] = common.relative_errors(
                 attention, *inputs, causal=causal, mode=mode, softcap=softcap, window=window
@@ -193,17 +190,11 @@ def run_one(impl, shape, causal, mode, inputs, args, platform, data="normal"):
         loop = common.make_loop(attention, mode, iterations, args.feed)
         timing = common.time_loop(loop, inputs, iterations=iterations, min_repeats=args.repeats,
                                   max_repeats=max(args.repeats, 30), min_total_s=args.min_total_s)
-        rec["final_q_rms"] = common.check_finite_nonzero(timing.pop("last_carry")[0])
-        rec.update(timing, iterations=iterations)
+        common.record_timing(rec, timing, iterations)
         rec["tflops"] = common.tflops(flops, timing["median_s"])
         rec["status"] = "ok"
-    except Unavailable as exc:
-        rec["status"] = "unavailable"
-        rec["note"] = str(exc)
     except Exception as exc:  # recorded; the other impls and rows still run
-        rec["status"] = "error"
-        rec["note"] = f"{type(exc).__name__}: {exc}"[:1500]
-        rec["traceback"] = traceback.format_exc()[-4000:]
+        common.record_failure(rec, exc)
     return rec
 
 
@@ -327,10 +318,7 @@ def main(argv=None):
     parser.add_argument("--xla-max-gb", type=float, default=8.0)
     parser.add_argument("--feed", default="sliver", choices=common.FEEDS,
                         help="how one call's result reaches the next (common.py)")
-    parser.add_argument("--target-ms", type=float, default=50.0, help="length of one timed loop")
-    parser.add_argument("--max-iterations", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=5, help="at least this many timed loops")
-    parser.add_argument("--min-total-s", type=float, default=0.25)
+    common.add_loop_args(parser)
     parser.add_argument("--no-check", action="store_true", help="skip the fp32 reference check")
     parser.add_argument("--time-budget-s", type=float, default=0,
                         help="start no new row after this many seconds (0: no limit)")

@@ -36,7 +36,6 @@ import argparse
 import pathlib
 import sys
 import time
-import traceback
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
@@ -45,10 +44,6 @@ import common  # noqa: E402
 IMPLS = ("jflash_varlen", "jflash_mean", "cudnn_padded", "jflash_padded")
 TARGET = 0.90  # varlen / mean, TFLOP/s
 _ASSUMED_FLOPS_PER_S = {"gpu": 4e14, "cpu": 3e10}
-
-
-class Unavailable(Exception):
-    """The row cannot run here (no GPU for cuDNN, or jax rejects it): not an error."""
 
 
 def random_lengths(num_seqs, low, high, seed):
@@ -100,7 +95,8 @@ def attention_fn(impl, causal, platform, longest):
     import jflash
 
     if impl.startswith("jflash") and platform == "gpu" and not jflash.HAS_CUDA_KERNELS:
-        raise Unavailable("this jflash build has no CUDA kernels (built with JFLASH_CUDA=OFF?)")
+        raise common.Unavailable(
+            "this jflash build has no CUDA kernels (built with JFLASH_CUDA=OFF?)")
     if impl == "jflash_varlen":
         return (lambda q, k, v, cu: jflash.flash_attention_varlen(
             q, k, v, cu, cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=causal)), "cu"
@@ -111,7 +107,7 @@ def attention_fn(impl, causal, platform, longest):
             q, k, v, is_causal=causal, query_seq_lengths=n, key_value_seq_lengths=n)), "lengths"
     if impl == "cudnn_padded":
         if platform != "gpu":
-            raise Unavailable(f"cuDNN attention needs a CUDA GPU; running on {platform}")
+            raise common.Unavailable(f"cuDNN attention needs a CUDA GPU; running on {platform}")
         return (lambda q, k, v, n: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, query_seq_lengths=n, key_value_seq_lengths=n,
             implementation="cudnn")), "lengths"
@@ -160,11 +156,11 @@ def run_one(impl, causal, mode, inputs, lengths, args, platform):
             attention, operand = attention_fn(impl, causal, platform, max(lengths))
             if args.check and mode == "fwd":
                 rec["rel_err"] = check_error(impl, attention, inputs, lengths, causal)
-        except Unavailable:
+        except common.Unavailable:
             raise
         except Exception as exc:
             if impl == "cudnn_padded":  # jax or cuDNN rejects padded lengths here
-                raise Unavailable(f"{type(exc).__name__}: {exc}"[:600]) from exc
+                raise common.Unavailable(f"{type(exc).__name__}: {exc}"[:600]) from exc
             raise
         data = {"jflash_varlen": "packed", "jflash_mean": "mean"}.get(impl, "padded")
         args_ = tuple(inputs[data]) + ((inputs[operand],) if operand else ())
@@ -177,19 +173,13 @@ def run_one(impl, causal, mode, inputs, lengths, args, platform):
                                       min_total_s=args.min_total_s)
         except Exception as exc:
             if impl == "cudnn_padded":
-                raise Unavailable(f"{type(exc).__name__}: {exc}"[:600]) from exc
+                raise common.Unavailable(f"{type(exc).__name__}: {exc}"[:600]) from exc
             raise
-        rec["final_q_rms"] = common.check_finite_nonzero(timing.pop("last_carry")[0])
-        rec.update(timing, iterations=iterations)
+        common.record_timing(rec, timing, iterations)
         rec["tflops"] = common.tflops(rec["flops"], timing["median_s"])
         rec["status"] = "ok"
-    except Unavailable as exc:
-        rec["status"] = "unavailable"
-        rec["note"] = str(exc)
     except Exception as exc:  # recorded; the other rows still run
-        rec["status"] = "error"
-        rec["note"] = f"{type(exc).__name__}: {exc}"[:1500]
-        rec["traceback"] = traceback.format_exc()[-4000:]
+        common.record_failure(rec, exc)
     return rec
 
 
@@ -225,10 +215,7 @@ def main(argv=None):
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     parser.add_argument("--modes", default="fwd,fwdbwd", help="comma list of fwd,fwdbwd")
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma list of " + ",".join(IMPLS))
-    parser.add_argument("--target-ms", type=float, default=50.0, help="length of one timed loop")
-    parser.add_argument("--max-iterations", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=5, help="at least this many timed loops")
-    parser.add_argument("--min-total-s", type=float, default=0.25)
+    common.add_loop_args(parser)
     parser.add_argument("--check", action="store_true",
                         help="forward error of each row on its first sequence (head 0) against a "
                              "float32 reference")
