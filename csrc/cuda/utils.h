@@ -40,9 +40,11 @@ __device__ __forceinline__ void round_fragment_to_tf32(Fragment&& frag) {
 // low part is x - hi rounded to TF32 by the integer add and mask that cvt.rna
 // itself compiles to, without cvt.rna's guard for Inf and NaN: where x is
 // infinite or NaN, x - hi is the canonical NaN 0x7fffffff, and the add carries
-// it to -0, so that the three products keep float32's Inf (and NaN, through
-// hi). Two instructions instead of cvt.rna's four plus a NaN select: the split
-// is most of 3xTF32's instruction count.
+// it to -0, so an Inf's low part is zero, not NaN (a NaN stays NaN through
+// hi). An Inf still makes a NaN where the other operand's low part is zero
+// (hi(Inf) * 0 in a cross term), as before this form. Two instructions
+// instead of cvt.rna's four plus a NaN select: the split is most of 3xTF32's
+// instruction count.
 template <typename Fragment, typename FragmentLo>
 __device__ __forceinline__ void split_fragment_tf32(Fragment&& frag, FragmentLo& lo) {
   CUTE_UNROLL
