@@ -81,17 +81,16 @@ def _cuda_include_dir():
     return None
 
 
-def test_grid_chunks(tmp_path):
-    """The sm80 launchers' chunks of grids past 65535 heads or batches (csrc/cuda/launch.h)
-    cover every (batch, head) once, in order, with the addresses of one launch: checked on
-    the host by tests/cuda_grid_chunks_check.cc, compiled here."""
+def _run_host_check(tmp_path, name, needs):
+    """Compiles tests/<name>.cc against csrc/ with the host C++ compiler and runs it;
+    asserts that it prints "ok". needs: a file under csrc/ it checks."""
     root = pathlib.Path(__file__).resolve().parent.parent
-    source = root / "tests" / "cuda_grid_chunks_check.cc"
+    source = root / "tests" / f"{name}.cc"
     compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
     include = _cuda_include_dir()
-    if not (root / "csrc" / "cuda" / "launch.h").is_file() or compiler is None or include is None:
+    if not (root / "csrc" / needs).is_file() or compiler is None or include is None:
         pytest.skip("needs the source tree, a C++ compiler and the CUDA headers")
-    binary = tmp_path / "cuda_grid_chunks_check"
+    binary = tmp_path / name
     build = subprocess.run(
         [compiler, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{root / 'csrc'}",
          f"-I{root / 'csrc' / 'include'}", f"-I{include}", str(source), "-o", str(binary)],
@@ -100,6 +99,21 @@ def test_grid_chunks(tmp_path):
     assert build.returncode == 0, build.stderr[-4000:]
     result = subprocess.run([str(binary)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.endswith("ok\n"), result.stdout[-4000:]
+
+
+def test_grid_chunks(tmp_path):
+    """The sm80 launchers' chunks of grids past 65535 heads or batches (csrc/cuda/launch.h)
+    cover every (batch, head) once, in order, with the addresses of one launch: checked on
+    the host by tests/cuda_grid_chunks_check.cc, compiled here."""
+    _run_host_check(tmp_path, "cuda_grid_chunks_check", "cuda/launch.h")
+
+
+def test_band_units(tmp_path):
+    """The Hopper forward's work units under a band (csrc/cuda/sm90/band_units_sm90.h)
+    hold every query block once and are simulated no slower than the all-paired units;
+    a window's plateau gets one block per unit: checked on the host by
+    tests/band_units_check.cc, compiled here."""
+    _run_host_check(tmp_path, "band_units_check", "cuda/sm90/band_units_sm90.h")
 
 
 def _expected_unit(name):

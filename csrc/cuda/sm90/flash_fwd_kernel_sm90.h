@@ -1,7 +1,7 @@
 // Hopper forward (sm90a): out, lse <- softmax(scale * Q K^T) V with TMA loads,
 // wgmma products and warp specialization. Persistent: one CTA per SM walks a
-// static sequence of work units (one query block of a head, or under a band a
-// pair of them; tile_scheduler_sm90.h says why).
+// static sequence of work units (one query block of a head, or under a band
+// one or a pair of them; tile_scheduler_sm90.h says why).
 //
 // Roles (warpgroups of 128 threads):
 //   warpgroup 0, the producer: one thread issues TMA copies: each tile's Q
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const FwdParams& params = args.params;
   extern __shared__ __align__(1024) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
-  const Scheduler scheduler(params);
+  const Scheduler scheduler(params, args.band_units);
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) Producer::init_barriers(smem);
@@ -139,6 +139,7 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& params, const LaunchContext& 
                     take<0, 2>(typename Traits::SmemLayoutVt{}),
                     Shape<Int<kHeadDim>, Int<Traits::kBlockN>>{}),
       {},  // the output's, below where the epilogue stores through shared memory
+      {},  // the band's units, below
   };
   if constexpr (Traits::kSmemEpilogue) {
     args.tma_o = make_tma_atom(
@@ -155,10 +156,11 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& params, const LaunchContext& 
       err != cudaSuccess) {
     return err;
   }
-  const int64_t num_ctas =
-      TileSchedulerSm90<Traits::kBlockM, Traits::kBlockN, Mask>::grid_size(params, ctx.sm_count);
-  if (num_ctas < 0) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(num_ctas));
+  const BandSchedule schedule =
+      TileSchedulerSm90<Traits::kBlockM, Traits::kBlockN, Mask>::schedule(params, ctx.sm_count);
+  if (schedule.num_ctas < 0) return cudaErrorInvalidValue;
+  args.band_units = schedule.units;
+  const dim3 grid(static_cast<unsigned>(schedule.num_ctas));
   kernel<<<grid, Traits::kNThreads, kSmemBytes, ctx.stream>>>(args);
   return cudaGetLastError();
 }

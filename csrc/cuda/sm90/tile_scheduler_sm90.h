@@ -17,22 +17,28 @@
 #include <cute/config.hpp>
 #include <cute/int_tuple.hpp>
 
+#include "cuda/sm90/band_units_sm90.h"
 #include "jflash/params.h"
 
 namespace jflash::cuda::sm90 {
 
 // Persistent CTAs walk one static sequence of work units, CTA c taking units
-// c, c + gridDim.x, ...; units run head-major (query blocks fastest, then
+// c, c + gridDim.x, ...; units run head-major (a head's units fastest, then
 // head, then batch), so the CTAs running at one time share heads and their
 // K/V stay in L2.
 //   Dense mask (NoMask): a unit is one query block; all take the same time.
-//   Otherwise (a band): tiles differ in length (causal: later query blocks see more
-//     keys), so a unit is a pair of query blocks, the p-th longest and the
-//     p-th shortest of a head, and units take about the same time again.
-//     Measured on the way (H200, causal, head dim 128): one tile per unit
+//   Otherwise (a band): query blocks differ in length (causal: later query
+//     blocks see more keys; a window: a rising run, then a plateau), so a unit
+//     is one block or a pair of them (BandUnits, band_units_sm90.h), chosen on
+//     the host so that units take about the same time.
+//     Measured on the way (H200, causal, head dim 128): one block per unit
 //     gave 0.77x cuDNN at seq 16k, because a stride of gridDim.x over
 //     query-block-fastest tiles hands each CTA one residue class of blocks,
-//     all long or all short; longest-first across heads gave 0.93-0.94x.
+//     all long or all short; longest-first across heads gave 0.93-0.94x; the
+//     p-th longest block of a head paired with its p-th shortest, more.
+//     Under a window (4096, 0) at seq 16k that pairing left CTAs 0.85 of the
+//     way to an even split (the plateau's blocks paired with each other make
+//     units twice the rising pairs' length); the plateau one per unit, 0.97.
 // Slot t is tile t % kTilesPerUnit of unit t / kTilesPerUnit.
 template <int kBlockM, int kBlockN, typename Mask>
 class TileSchedulerSm90 {
@@ -41,49 +47,64 @@ class TileSchedulerSm90 {
   // that the policy finds empty (segment ids) are computed fully masked.
   static constexpr int kTilesPerUnit = Mask::kDense ? 1 : 2;
 
-  // Query blocks of a head, and work units per head.
+  // Query blocks of a head.
   CUTE_HOST_DEVICE static int num_m_blocks(const FwdParams& params) {
     return cute::ceil_div(params.seqlen_q, kBlockM);
-  }
-  CUTE_HOST_DEVICE static int units_per_head(int num_m_blocks) {
-    return cute::ceil_div(num_m_blocks, int{kTilesPerUnit});
   }
 
   // ---------------------------------------------------------------- host
   // Persistent: one CTA per SM (the shared memory allows no more), or fewer
-  // when there are fewer work units (pairs of query blocks under a band).
-  // -1 where the slots would overflow the device's int32 count.
-  static int64_t grid_size(const FwdParams& params, int sm_count) {
-    const int64_t units_per_head_ = units_per_head(num_m_blocks(params));
-    const int64_t num_units = units_per_head_ * params.num_heads * params.batch;
-    if (num_units * kTilesPerUnit > INT32_MAX) return -1;
-    int64_t num_ctas = std::min<int64_t>(num_units, sm_count);
-    if constexpr (!Mask::kDense) {
-      // CTA c runs units c + i * num_ctas, i.e. query-block pairs p = (c + i *
-      // num_ctas) mod units_per_head. Pairs differ in length when a head has an
-      // odd number of query blocks (the middle one runs alone) or a partial last
-      // block; with a common factor between num_ctas and units_per_head each CTA
-      // would see only some p (e.g. 132 CTAs, 2 pairs per head: even CTAs all
-      // long, odd all short). Coprime, every CTA cycles through all p, for the
-      // price of a few idle SMs (H200, head dim 64, seq 512, causal: 0.59x ->
-      // 0.76x cuDNN; 1024: 0.73x -> 0.77x; 2048: 0.81x -> 0.89x).
-      while (num_ctas > 1 && std::gcd(num_ctas, units_per_head_) != 1) --num_ctas;
+  // when there are fewer work units; under a band, the units and CTA count of
+  // choose_band_schedule. num_ctas is -1 where the slots would overflow the
+  // device's int32 count.
+  static BandSchedule schedule(const FwdParams& params, int sm_count) {
+    const int m_blocks = num_m_blocks(params);
+    const int64_t copies = int64_t{params.num_heads} * params.batch;
+    if constexpr (Mask::kDense) {
+      const int64_t num_units = int64_t{m_blocks} * copies;
+      return {BandUnits{}, num_units > INT32_MAX ? -1 : std::min<int64_t>(num_units, sm_count)};
+    } else {
+      // Calls with one shape and mask come back every training step: remember.
+      static std::mutex mutex;
+      static std::map<std::array<int64_t, 6>, BandSchedule> chosen;
+      const std::array<int64_t, 6> key{params.seqlen_q,    params.seqlen_k,    copies,
+                                       params.mask.diag_lo, params.mask.diag_hi, sm_count};
+      std::lock_guard<std::mutex> lock(mutex);
+      auto it = chosen.find(key);
+      if (it == chosen.end()) {
+        // Key tiles per query block, by the band (segment ids live on the device).
+        std::vector<int> tiles(m_blocks);
+        const auto band = Mask(params.mask, 0).band();
+        for (int m = 0; m < m_blocks; ++m) {
+          const int row0 = m * kBlockM;
+          tiles[m] = blocks_covering<kBlockN>(
+                         band.keys_of_rows(row0, std::min(row0 + kBlockM, params.seqlen_q),
+                                           params.seqlen_k))
+                         .count;
+        }
+        it = chosen.emplace(key, choose_band_schedule(tiles, copies, sm_count)).first;
+      }
+      BandSchedule result = it->second;
+      if (int64_t{result.units.units_per_head()} * copies * kTilesPerUnit > INT32_MAX) {
+        result.num_ctas = -1;
+      }
+      return result;
     }
-    return num_ctas;
   }
 
   // -------------------------------------------------------------- device
   struct Tile {
-    bool valid;  // false for the unused second half of an odd head's middle unit
+    bool valid;  // false for the unused second half of a one-block unit
     int m_block, head, batch;
     int row_begin, row_end;      // query rows
     int n_block_begin, n_tiles;  // key tiles the band lets these rows see
   };
 
-  __device__ __forceinline__ explicit TileSchedulerSm90(const FwdParams& params)
+  // units: the band's unit plan (schedule()); unused when dense.
+  __device__ __forceinline__ TileSchedulerSm90(const FwdParams& params, const BandUnits& units)
       : params_(params),
-        num_m_blocks_(num_m_blocks(params)),
-        units_per_head_(units_per_head(num_m_blocks_)),
+        units_(units),
+        units_per_head_(Mask::kDense ? num_m_blocks(params) : units.units_per_head()),
         num_slots_(units_per_head_ * kTilesPerUnit * params.num_heads * params.batch),
         first_slot_(blockIdx.x * kTilesPerUnit) {}
 
@@ -103,9 +124,9 @@ class TileSchedulerSm90 {
     tile.head = (unit / units_per_head_) % params_.num_heads;
     tile.batch = unit / (units_per_head_ * params_.num_heads);
     if constexpr (!Mask::kDense) {
-      const int longest = num_m_blocks_ - 1 - p;
-      tile.m_block = t % 2 == 0 ? longest : p;
-      tile.valid = t % 2 == 0 || p != longest;
+      const BandUnits::Unit blocks = units_.unit(p);
+      tile.valid = t % 2 == 0 || blocks.second >= 0;
+      tile.m_block = t % 2 == 0 || !tile.valid ? blocks.first : blocks.second;
     } else {
       tile.m_block = p;
       tile.valid = true;
@@ -130,7 +151,7 @@ class TileSchedulerSm90 {
 
  private:
   const FwdParams& params_;
-  int num_m_blocks_;
+  const BandUnits& units_;
   int units_per_head_;
   int num_slots_;
   int first_slot_;

@@ -10,6 +10,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "cuda/sm90/band_units_sm90.h"
 #include "cuda/tile_sizes.h"
 #include "jflash/params.h"
 
@@ -155,6 +156,7 @@ struct FwdArgsSm90 {
   typename Traits::TmaK tma_k;
   typename Traits::TmaV tma_v;
   typename Traits::TmaO tma_o;  // used where Traits::kSmemEpilogue
+  BandUnits band_units;         // the work units under a band (tile_scheduler_sm90.h)
 };
 
 }  // namespace jflash::cuda::sm90
