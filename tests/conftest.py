@@ -7,9 +7,19 @@ import os
 import re
 import zlib
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+# On a GPU the tests' references (float32 and same-dtype attention in jnp) run
+# through XLA, and every test brings new shapes. XLA's default gemm path
+# autotunes Triton kernels per shape and compiles each candidate with ptxas:
+# on an H100 (jax 0.11.2) tests/test_cuda_specific.py's bfloat16 reference
+# cases took 15-25 s each, mostly compiling, and overran a 300 s budget after
+# 7-14 of 76; without autotuning ~6.5 s each; with cuBLAS gemms and no
+# autotuning the 76 (47 run, the rest skipped in a subset build) took 123 s. The references' numbers stay those
+# of a correct gemm either way. Flags the caller sets come later and win.
+_GPU_TEST_FLAGS = "--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false"
+os.environ["XLA_FLAGS"] = " ".join(
+    f for f in (_GPU_TEST_FLAGS, os.environ.get("XLA_FLAGS", ""),
+                "--xla_force_host_platform_device_count=8") if f
+)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
