@@ -42,6 +42,11 @@ def main():
         (1, 77, 131, 4, 2, ((-77, 131), (-20, -5)), False),
         (6, 700, 650, 16, 4, ((-700, 650), (-700, 650 - 700)), False),
         (2, 300, 700, 8, 2, ((-300, 700), (-300, 700 - 300)), True),
+        # The Hopper forward's other band units (sm90/band_units_sm90.h): a
+        # window's plateau one query block per unit; causal with seq_q > seq_k,
+        # whose first query blocks see no key and go last as single units.
+        (2, 1500, 1500, 4, 2, ((-300, 0),), False),
+        (4, 700, 300, 8, 2, ((-700, 300 - 700),), False),
     )
     # Natural-log units per 64-key block; steps past exp2's float32 range too.
     rising_bias = np.asarray([0, 3, 10, 10, 25, 24, 125, 120, 130, 60, 140])
