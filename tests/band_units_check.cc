@@ -1,9 +1,10 @@
-// Host-side check of the Hopper forward's work units under a band
-// (csrc/cuda/sm90/band_units_sm90.h), no GPU needed: for bands of causal and
-// window calls of several shapes and tile sizes, every query block of a head
-// is in exactly one unit, the CTA count fits the SMs, and the chosen schedule is simulated no slower than the
-// all-paired one. Prints the simulated balance (the even split's time over
-// the slowest CTA's) of a few calls. Compiled and run by
+// Host-side check of csrc/cuda/sm90/band_units_sm90.h, no GPU needed. The
+// Hopper forward's work units under a band: for causal and window calls of
+// several shapes and tile sizes, every query block of a head is in exactly
+// one unit, the CTA count fits the SMs, and the chosen schedule is simulated
+// no slower than the all-paired one (prints the simulated balance, the even
+// split's time over the slowest CTA's, of a few calls). The Hopper backward's
+// launch order (BwdLaunchOrder): every unit starts once. Compiled and run by
 // tests/test_cuda_library.py; prints "ok".
 #include <cstdint>
 #include <cstdio>
@@ -81,9 +82,39 @@ BandSchedule check_call(int seq_q, int seq_k, int left, int right, int block_m, 
   return chosen;
 }
 
+// The backward's launch order: every (key block, split, row) once; group 1
+// is the order of a row's key blocks, then the next row.
+void check_launch_order(int n_blocks, int splits, int rows, int group) {
+  const BwdLaunchOrder order{n_blocks, splits, rows, group};
+  const int total = n_blocks * splits * rows;
+  std::vector<int> seen(total, 0);
+  for (int block = 0; block < total; ++block) {
+    const BwdLaunchOrder::Unit u = order.at(block);
+    const bool in_range = u.n_block >= 0 && u.n_block < n_blocks && u.split >= 0 &&
+                          u.split < splits && u.row >= 0 && u.row < rows;
+    CHECK(in_range);
+    if (in_range) ++seen[(u.row * n_blocks + u.n_block) * splits + u.split];
+    if (group == 1) CHECK((u.row * n_blocks + u.n_block) * splits + u.split == block);
+    // A group's rows start their key block n only after every row of the
+    // group started n - 1 (rows of one group run side by side).
+    if (in_range && u.n_block > 0 && block > 0) {
+      const BwdLaunchOrder::Unit prev = order.at(block - 1);
+      CHECK(prev.n_block == u.n_block || prev.n_block == u.n_block - 1);
+    }
+  }
+  for (int i = 0; i < total; ++i) CHECK(seen[i] == 1);
+}
+
 }  // namespace
 
 int main() {
+  for (int group : {1, 2, 4, 8}) {
+    for (int rows : {1, 3, 4, 7, 64}) {
+      for (int splits : {1, 2, 4}) {
+        for (int n_blocks : {1, 5, 32}) check_launch_order(n_blocks, splits, rows, group);
+      }
+    }
+  }
   const int blocks[][2] = {{128, 128}, {192, 128}, {128, 64}};  // head dims 128, 64, 256
   const int seqs[][2] = {{1, 1},       {100, 70},    {512, 512},   {1000, 3000}, {2048, 2048},
                          {4096, 8192}, {8192, 4096}, {8192, 8192}, {16384, 16384}};

@@ -111,8 +111,9 @@ def test_grid_chunks(tmp_path):
 def test_band_units(tmp_path):
     """The Hopper forward's work units under a band (csrc/cuda/sm90/band_units_sm90.h)
     hold every query block once and are simulated no slower than the all-paired units;
-    a window's plateau gets one block per unit: checked on the host by
-    tests/band_units_check.cc, compiled here."""
+    a window's plateau gets one block per unit; the Hopper backward's launch order
+    starts every unit once: checked on the host by tests/band_units_check.cc, compiled
+    here."""
     _run_host_check(tmp_path, "band_units_check", "cuda/sm90/band_units_sm90.h")
 
 

@@ -276,6 +276,7 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
                      ? static_cast<float*>(dkv_accum.untyped_data())
                      : nullptr;
   p->head_splits = 1;
+  p->launch_group = 1;
   p->dout_batch_stride = p->out_batch_stride;
   p->dout_row_stride = p->out_row_stride;
   p->dout_head_stride = p->out_head_stride;

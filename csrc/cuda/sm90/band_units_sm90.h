@@ -1,8 +1,8 @@
 // The Hopper forward's work units under a band (tile_scheduler_sm90.h): which
 // query blocks of a head share a unit. The host picks them per call shape so
 // that units take about the same time; the device maps a unit index to its
-// blocks. Plain integer code, no CuTe: tests/band_units_check.cc checks it on
-// the host.
+// blocks. And the Hopper backward's launch order. Plain integer code, no
+// CuTe: tests/band_units_check.cc checks it on the host.
 #pragma once
 
 #include <algorithm>
@@ -61,6 +61,26 @@ struct BandUnits {
   // count grows (causal), and the fallback.
   static BandUnits all_paired(int num_blocks) {
     return {num_blocks, 0, num_blocks, num_blocks, num_blocks};
+  }
+};
+
+// The Hopper backward's launch order (tile_scheduler_sm90.h, BwdSchedulerSm90):
+// CTA block of a launch of n_blocks key blocks x splits head splits x rows
+// (batch, kv head) rows, rows in groups of `group`, a group's units key block
+// first, then row, then split.
+struct BwdLaunchOrder {
+  int n_blocks, splits, rows, group;
+
+  struct Unit {
+    int n_block, split, row;
+  };
+  JFLASH_HOST_DEVICE Unit at(int block) const {
+    const int per_group = group * n_blocks * splits;
+    const int g = block / per_group;
+    const int in_group = block % per_group;
+    const int rows_in = rows - g * group < group ? rows - g * group : group;
+    const int in_block = in_group % (rows_in * splits);
+    return {in_group / (rows_in * splits), in_block % splits, g * group + in_block / splits};
   }
 };
 

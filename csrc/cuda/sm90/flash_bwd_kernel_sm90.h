@@ -172,7 +172,9 @@ cudaError_t run_flash_bwd_sm90(const BwdParams& call_params, const LaunchContext
     return cudaErrorInvalidValue;
   }
   BwdParams params = call_params;
-  params.head_splits = Scheduler::head_splits(params, ctx.sm_count, ctx.bwd_head_splits);
+  const typename Scheduler::Plan plan = Scheduler::plan(params, ctx.sm_count, ctx.bwd_head_splits);
+  params.head_splits = plan.head_splits;
+  params.launch_group = plan.launch_group;
   const int64_t num_ctas = Scheduler::grid_size(params);
   if (num_ctas < 0) return cudaErrorInvalidConfiguration;
   if (cudaError_t err = launch_bwd_preprocess<Element, kHeadDim>(params, ctx); err != cudaSuccess) {

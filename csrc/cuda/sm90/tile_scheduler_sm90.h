@@ -159,9 +159,12 @@ class TileSchedulerSm90 {
 
 // The Hopper backward's units, one CTA each (its shared memory allows one per
 // SM): a key block of a kv head and batch, and a share of the kv head's query
-// heads. Units run key block and head split fastest (unit = n_block *
-// head_splits + split), then kv head, then batch: under a causal band the key
-// blocks that visit the most query blocks start first.
+// heads. The hardware starts CTAs in launch order as SMs free up, so the
+// order decides how the launch ends. A row is a (batch, kv head); rows go in
+// groups of launch_group (params.launch_group), a group's units key block
+// first, then row, then head split (launch_group 1: a row's key blocks in
+// order, then the next row). Under a causal band the key blocks that visit
+// the most query blocks start first within a group.
 //
 // GQA with head_splits > 1: the group's heads_per_kv query heads are split
 // over head_splits CTAs per key block, which add their partial dK, dV into
@@ -173,15 +176,17 @@ template <int kBlockM, int kBlockN, typename Mask>
 class BwdSchedulerSm90 {
  public:
   // ---------------------------------------------------------------- host
-  // The split of the query heads for a call: the divisor s of heads_per_kv
-  // whose units finish first when they go, in launch order, each to the SM
-  // that frees first (a list-scheduling simulation; time in steps, one step =
-  // one query block of one head against the key block, plus kUnitSteps per
-  // unit: K and V loaded again, dK and dV added in float32). A larger split
-  // must win by 0.5%. 1 without dkv_accum (MHA, CPU) or in deterministic mode
-  // (the partial sums would arrive in any order), and where the unsplit units
-  // already fill kEnoughWaves waves. forced > 0 (JFLASH_CUDA_BWD_HEAD_SPLITS)
-  // takes that split where it divides the group.
+  // Both choices come from a list-scheduling simulation of the launch: units
+  // in launch order, each to the SM that frees first; time in steps, one step
+  // = one query block of one head against the key block, plus kUnitSteps per
+  // unit (K and V loaded again, dK and dV added in float32).
+  //
+  // head_splits: the divisor s of heads_per_kv whose units finish first
+  // (launch_group 1). A larger split must win by 0.5%. 1 without dkv_accum
+  // (MHA, CPU) or in deterministic mode (the partial sums would arrive in any
+  // order), and where the unsplit units already fill kEnoughWaves waves. forced
+  // > 0 (JFLASH_CUDA_BWD_HEAD_SPLITS) takes that split where it divides the
+  // group.
   //
   // Measured (H100, bfloat16, head dim 128, 16 query heads per kv head, B * S =
   // 16384, forward+backward TFLOP/s for split 1 / 2 / 4 / 8 / 16): causal 4k
@@ -192,23 +197,52 @@ class BwdSchedulerSm90 {
   // 1.01, unmasked 1.00 / 1.00 / 1.01 / 1.01 / 1.03: it picks 4, 4, 1, 1. (A
   // rule on the mean and the longest unit alone picked 2 at causal 4k, where
   // the batches run one after the other.)
+  //
+  // launch_group: under a band, the smallest of 1, 2, 4, 8 rows per group
+  // within 0.5% of the best simulated time, where it wins by 1% over 1. One
+  // row at a time, a row's long first key blocks start while the previous
+  // rows' short last ones run, and the last rows' long blocks end the launch
+  // alone: causal, head dim 128, seq 4k (64 rows of 32 key blocks) simulates
+  // at 0.94 of an even split, at 0.99 with 4 rows per group; a window (4096,
+  // 0) at 16k at 0.98, 0.995. Groups stay small because the rows of a group run
+  // at once and their Q, dO and dQ share L2. 1 in deterministic mode (its dQ
+  // order was measured with one row at a time) and without a band. Measured
+  // (H100, bfloat16, causal forward+backward, A/B in one run): head dim 128
+  // +1.3% / +2.0% / +2.9% at seq 2k / 4k / 8k (groups of 8, 4, 2), head dim 64
+  // +1.5% / +0.9% / +2.2%; the window above level (the simulated gain did not
+  // show).
   static constexpr int kUnitSteps = 2;      // K, V loads and the dK, dV write of a unit
   static constexpr int kEnoughWaves = 8;    // unsplit units past this many waves: no split
-  static constexpr int kMaxSimulated = 64;  // waves of units simulated at most
+  static constexpr int kMaxSimulated = 64;  // waves of units simulated at most (splits)
+  static constexpr int kMaxGroupSimulated = 256;  // waves simulated at most (groups)
+  static constexpr int kMaxLaunchGroup = 8;
 
-  static int head_splits(const BwdParams& params, int sm_count, int forced) {
+  struct Plan {
+    int head_splits = 1;
+    int launch_group = 1;
+  };
+
+  static Plan plan(const BwdParams& params, int sm_count, int forced) {
     const int group = params.heads_per_kv;
-    if (params.dkv_accum == nullptr || params.dq_semaphore != nullptr || group == 1) return 1;
-    if (forced > 0) return group % forced == 0 ? forced : 1;
+    const bool may_split = params.dkv_accum != nullptr && params.dq_semaphore == nullptr &&
+                           group > 1;
+    const bool may_group = !Mask::kDense && params.dq_semaphore == nullptr;
     const int n_blocks = cute::ceil_div(params.seqlen_k, kBlockN);
-    const int64_t heads_kv = int64_t{params.num_heads_kv} * params.batch;
-    if (n_blocks == 0 || n_blocks * heads_kv >= int64_t{kEnoughWaves} * sm_count) return 1;
+    const int64_t rows = int64_t{params.num_heads_kv} * params.batch;
+    Plan plan;
+    if (n_blocks == 0 || (!may_split && !may_group)) return plan;
+    if (may_split && forced > 0) {
+      plan.head_splits = group % forced == 0 ? forced : 1;
+      if (!may_group) return plan;
+    }
     // Calls with one shape and mask come back every training step: remember.
     static std::mutex mutex;
-    static std::map<std::array<int64_t, 7>, int> chosen;
-    const std::array<int64_t, 7> key{params.seqlen_q,      params.seqlen_k, heads_kv,
-                                     group,                params.mask.diag_lo,
-                                     params.mask.diag_hi, sm_count};
+    static std::map<std::array<int64_t, 9>, Plan> chosen;
+    const std::array<int64_t, 9> key{params.seqlen_q,      params.seqlen_k,
+                                     rows,                 group,
+                                     params.mask.diag_lo,  params.mask.diag_hi,
+                                     sm_count,             may_split ? forced : -1,
+                                     may_group};
     std::lock_guard<std::mutex> lock(mutex);
     if (auto it = chosen.find(key); it != chosen.end()) return it->second;
     // Query blocks each key block visits (by the band: segment ids live on the device).
@@ -221,19 +255,15 @@ class BwdSchedulerSm90 {
                                         params.seqlen_q))
                       .count;
     }
-    int best = 1;
-    double best_time = 0;
-    for (int s = 1; s <= group; ++s) {
-      if (group % s) continue;
-      if (s > 1 && n_blocks * s * heads_kv > int64_t{kMaxSimulated} * sm_count) break;
-      // Finish times of the SMs, a min-heap; units in launch order.
+    auto simulate = [&](int splits, int launch_group) {
       std::priority_queue<double, std::vector<double>, std::greater<double>> free_at;
       for (int i = 0; i < sm_count; ++i) free_at.push(0.0);
       double end = 0;
-      for (int64_t h = 0; h < heads_kv; ++h) {
+      for (int64_t g0 = 0; g0 < rows; g0 += launch_group) {
+        const int64_t rows_in = std::min<int64_t>(launch_group, rows - g0);
         for (int n = 0; n < n_blocks; ++n) {
-          const double steps = double(visits[n] * group) / s + kUnitSteps;
-          for (int split = 0; split < s; ++split) {
+          const double steps = double(visits[n] * group) / splits + kUnitSteps;
+          for (int64_t u = 0; u < rows_in * splits; ++u) {
             const double done = free_at.top() + steps;
             free_at.pop();
             free_at.push(done);
@@ -241,13 +271,37 @@ class BwdSchedulerSm90 {
           }
         }
       }
-      if (s == 1 || end < 0.995 * best_time) {
-        best = s;
-        best_time = end;
+      return end;
+    };
+    if (may_split && forced <= 0 && n_blocks * rows < int64_t{kEnoughWaves} * sm_count) {
+      double best_time = 0;
+      for (int s = 1; s <= group; ++s) {
+        if (group % s) continue;
+        if (s > 1 && n_blocks * s * rows > int64_t{kMaxSimulated} * sm_count) break;
+        const double time = simulate(s, 1);
+        if (s == 1 || time < 0.995 * best_time) {
+          plan.head_splits = s;
+          best_time = time;
+        }
       }
     }
-    chosen.emplace(key, best);
-    return best;
+    if (may_group &&
+        n_blocks * plan.head_splits * rows <= int64_t{kMaxGroupSimulated} * sm_count) {
+      double times[kMaxLaunchGroup + 1] = {};
+      double best_time = 0;
+      for (int g = 1; g <= kMaxLaunchGroup && (g == 1 || g / 2 < rows); g *= 2) {
+        times[g] = simulate(plan.head_splits, g);
+        best_time = g == 1 ? times[g] : std::min(best_time, times[g]);
+      }
+      for (int g = 2; g <= kMaxLaunchGroup && g / 2 < rows; g *= 2) {
+        if (times[g] <= 1.005 * best_time && times[g] < 0.99 * times[1]) {
+          plan.launch_group = g;
+          break;
+        }
+      }
+    }
+    chosen.emplace(key, plan);
+    return plan;
   }
 
   // CTAs of the launch (params.head_splits set), -1 past the int32 grid.
@@ -262,11 +316,10 @@ class BwdSchedulerSm90 {
     int n_block, split, kv_head, batch;
   };
   __device__ __forceinline__ static Unit unit(const BwdParams& params) {
-    const int per_head = cute::ceil_div(params.seqlen_k, kBlockN) * params.head_splits;
-    const int u = blockIdx.x % per_head;
-    const int rest = blockIdx.x / per_head;
-    return {u / params.head_splits, u % params.head_splits, rest % params.num_heads_kv,
-            rest / params.num_heads_kv};
+    const BwdLaunchOrder order{cute::ceil_div(params.seqlen_k, kBlockN), params.head_splits,
+                               params.num_heads_kv * params.batch, params.launch_group};
+    const BwdLaunchOrder::Unit u = order.at(blockIdx.x);
+    return {u.n_block, u.split, u.row % params.num_heads_kv, u.row / params.num_heads_kv};
   }
 };
 

@@ -109,6 +109,9 @@ struct BwdParams : FwdParams {
   // each taking heads_per_kv / head_splits query heads. > 1 only with
   // dkv_accum and outside deterministic mode.
   int head_splits;
+  // Set by the launcher (1 from the FFI layer): (batch, kv head) rows per
+  // group of the Hopper backward's launch order (sm90/tile_scheduler_sm90.h).
+  int launch_group;
 
   int64_t dout_batch_stride, dout_row_stride, dout_head_stride;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
