@@ -10,18 +10,13 @@
 #include <cstdio>
 #include <vector>
 
+#include "host_check.h"
 #include "cuda/sm90/band_units_sm90.h"
 
 using namespace jflash;
 using namespace jflash::cuda::sm90;
 
 namespace {
-
-int failures = 0;
-#define CHECK(cond)                                                              \
-  do {                                                                           \
-    if (!(cond) && failures++ < 20) std::printf("FAIL line %d: %s\n", __LINE__, #cond); \
-  } while (0)
 
 // Key tiles of each query block under a bottom-right (left, right) window
 // (-1: unbounded), as the scheduler's host code counts them.
@@ -140,6 +135,5 @@ int main() {
   CHECK(balance(tiles, 16, 132, window) > 0.95);
   check_call(8192, 4096, -1, 0, 128, 128, 32, 132, true);  // rows that see no key
   check_call(16384, 16384, 4096, 0, 192, 128, 32, 132, true);
-  std::printf(failures ? "FAILED: %d checks\n" : "ok\n", failures);
-  return failures != 0;
+  return host_check::report();
 }

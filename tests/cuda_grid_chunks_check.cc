@@ -9,18 +9,13 @@
 #include <cstdio>
 #include <vector>
 
+#include "host_check.h"
 #include "cuda/launch.h"
 
 using namespace jflash;
 using namespace jflash::cuda;
 
 namespace {
-
-int failures = 0;
-#define CHECK(cond)                                                              \
-  do {                                                                           \
-    if (!(cond) && failures++ < 20) std::printf("FAIL line %d: %s\n", __LINE__, #cond); \
-  } while (0)
 
 // Element `index` of a 16-bit tensor at ptr, as an address.
 const char* at(const void* ptr, int64_t index) { return static_cast<const char*>(ptr) + 2 * index; }
@@ -214,6 +209,5 @@ int main() {
   check_bounds(2147483646, 1, 1073741823);
   check_bounds(65535 * 3, 5, 65535);
   check_bounds(3 * 7 * 65536, 2, 7 * 65536);
-  std::printf(failures ? "FAILED: %d checks\n" : "ok\n", failures);
-  return failures != 0;
+  return host_check::report();
 }
