@@ -227,6 +227,15 @@ class Unavailable(Exception):
     a shape jax rejects, too much memory for XLA): recorded, not an error."""
 
 
+def require_cuda_kernels(platform):
+    """Raises Unavailable where a jflash row on the GPU would run without CUDA kernels
+    (a build with JFLASH_CUDA=OFF): such a row is reported, not timed."""
+    import jflash
+
+    if platform == "gpu" and not jflash.HAS_CUDA_KERNELS:
+        raise Unavailable("this jflash build has no CUDA kernels (built with JFLASH_CUDA=OFF?)")
+
+
 def record_timing(rec, timing, iterations):
     """A timed row's record: the loop's final rms (raises if it degenerated),
     time_loop's statistics and the loop length."""

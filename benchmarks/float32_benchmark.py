@@ -75,9 +75,7 @@ def attention_fn(impl, causal, platform):
     if impl.startswith("jflash"):
         import jflash
 
-        if platform == "gpu" and not jflash.HAS_CUDA_KERNELS:
-            raise common.Unavailable(
-                "this jflash build has no CUDA kernels (built with JFLASH_CUDA=OFF?)")
+        common.require_cuda_kernels(platform)
         precision = "highest" if impl == "jflash_3xtf32" else None
         return lambda q, k, v: jflash.flash_attention(q, k, v, causal=causal, precision=precision)
     if impl in ("xla_default", "xla_highest"):

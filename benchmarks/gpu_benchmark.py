@@ -107,9 +107,7 @@ def attention_fn(impl, causal, platform, softcap=None, window=None):
     if impl in ("jflash", "jflash_det", "jflash_softcap", "jflash_window"):
         import jflash
 
-        if platform == "gpu" and not jflash.HAS_CUDA_KERNELS:
-            raise common.Unavailable(
-                "this jflash build has no CUDA kernels (built with JFLASH_CUDA=OFF?)")
+        common.require_cuda_kernels(platform)
         det = impl == "jflash_det"
         cap = softcap if impl == "jflash_softcap" else None
         win = window if impl == "jflash_window" else None

@@ -94,9 +94,8 @@ def attention_fn(impl, causal, platform, longest):
 
     import jflash
 
-    if impl.startswith("jflash") and platform == "gpu" and not jflash.HAS_CUDA_KERNELS:
-        raise common.Unavailable(
-            "this jflash build has no CUDA kernels (built with JFLASH_CUDA=OFF?)")
+    if impl.startswith("jflash"):
+        common.require_cuda_kernels(platform)
     if impl == "jflash_varlen":
         return (lambda q, k, v, cu: jflash.flash_attention_varlen(
             q, k, v, cu, cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=causal)), "cu"
