@@ -55,14 +55,23 @@ class TileSchedulerSm90 {
   // ---------------------------------------------------------------- host
   // Persistent: one CTA per SM (the shared memory allows no more), or fewer
   // when there are fewer work units; under a band, the units and CTA count of
-  // choose_band_schedule. num_ctas is -1 where the slots would overflow the
-  // device's int32 count.
+  // choose_band_schedule (with segment ids, the all-paired units). num_ctas
+  // is -1 where the slots would overflow the device's int32 count.
   static BandSchedule schedule(const FwdParams& params, int sm_count) {
     const int m_blocks = num_m_blocks(params);
     const int64_t copies = int64_t{params.num_heads} * params.batch;
     if constexpr (Mask::kDense) {
       const int64_t num_units = int64_t{m_blocks} * copies;
       return {BandUnits{}, num_units > INT32_MAX ? -1 : std::min<int64_t>(num_units, sm_count)};
+    } else if constexpr (Mask::kHasSegments) {
+      // The band's lengths say little about a packed row's tiles, which the
+      // ids cut on the device: these keep the all-paired units (the plans
+      // above were measured without ids).
+      const BandUnits units = BandUnits::all_paired(m_blocks);
+      const int64_t per_head = units.units_per_head();
+      return {units, per_head * copies * kTilesPerUnit > INT32_MAX
+                         ? -1
+                         : band_ctas(units, copies, sm_count, /*coprime=*/true)};
     } else {
       // Calls with one shape and mask come back every training step: remember.
       static std::mutex mutex;
@@ -206,7 +215,8 @@ class BwdSchedulerSm90 {
   // at 0.94 of an even split, at 0.99 with 4 rows per group; a window (4096,
   // 0) at 16k at 0.98, 0.995. Groups stay small because the rows of a group run
   // at once and their Q, dO and dQ share L2. 1 in deterministic mode (its dQ
-  // order was measured with one row at a time) and without a band. Measured
+  // order was measured with one row at a time), without a band, and with
+  // segment ids (the band's visits say little about a packed row's). Measured
   // (H100, bfloat16, causal forward+backward, A/B in one run): head dim 128
   // +1.3% / +2.0% / +2.9% at seq 2k / 4k / 8k (groups of 8, 4, 2), head dim 64
   // +1.5% / +0.9% / +2.2%; the window above level (the simulated gain did not
@@ -226,7 +236,8 @@ class BwdSchedulerSm90 {
     const int group = params.heads_per_kv;
     const bool may_split = params.dkv_accum != nullptr && params.dq_semaphore == nullptr &&
                            group > 1;
-    const bool may_group = !Mask::kDense && params.dq_semaphore == nullptr;
+    const bool may_group =
+        !Mask::kDense && !Mask::kHasSegments && params.dq_semaphore == nullptr;
     const int n_blocks = cute::ceil_div(params.seqlen_k, kBlockN);
     const int64_t rows = int64_t{params.num_heads_kv} * params.batch;
     Plan plan;
