@@ -63,37 +63,37 @@ class TileSchedulerSm90 {
     if constexpr (Mask::kDense) {
       const int64_t num_units = int64_t{m_blocks} * copies;
       return {BandUnits{}, num_units > INT32_MAX ? -1 : std::min<int64_t>(num_units, sm_count)};
-    } else if constexpr (Mask::kHasSegments) {
-      // The band's lengths say little about a packed row's tiles, which the
-      // ids cut on the device: these keep the all-paired units (the plans
-      // above were measured without ids).
-      const BandUnits units = BandUnits::all_paired(m_blocks);
-      const int64_t per_head = units.units_per_head();
-      return {units, per_head * copies * kTilesPerUnit > INT32_MAX
-                         ? -1
-                         : band_ctas(units, copies, sm_count, /*coprime=*/true)};
     } else {
-      // Calls with one shape and mask come back every training step: remember.
-      static std::mutex mutex;
-      static std::map<std::array<int64_t, 6>, BandSchedule> chosen;
-      const std::array<int64_t, 6> key{params.seqlen_q,    params.seqlen_k,    copies,
-                                       params.mask.diag_lo, params.mask.diag_hi, sm_count};
-      std::lock_guard<std::mutex> lock(mutex);
-      auto it = chosen.find(key);
-      if (it == chosen.end()) {
-        // Key tiles per query block, by the band (segment ids live on the device).
-        std::vector<int> tiles(m_blocks);
-        const auto band = Mask(params.mask, 0).band();
-        for (int m = 0; m < m_blocks; ++m) {
-          const int row0 = m * kBlockM;
-          tiles[m] = blocks_covering<kBlockN>(
-                         band.keys_of_rows(row0, std::min(row0 + kBlockM, params.seqlen_q),
-                                           params.seqlen_k))
-                         .count;
+      BandSchedule result;
+      if constexpr (Mask::kHasSegments) {
+        // The band's lengths say little about a packed row's tiles, which the
+        // ids cut on the device: these keep the all-paired units (the plans
+        // above were measured without ids).
+        const BandUnits units = BandUnits::all_paired(m_blocks);
+        result = {units, band_ctas(units, copies, sm_count, /*coprime=*/true)};
+      } else {
+        // Calls with one shape and mask come back every training step: remember.
+        static std::mutex mutex;
+        static std::map<std::array<int64_t, 6>, BandSchedule> chosen;
+        const std::array<int64_t, 6> key{params.seqlen_q,    params.seqlen_k,    copies,
+                                         params.mask.diag_lo, params.mask.diag_hi, sm_count};
+        std::lock_guard<std::mutex> lock(mutex);
+        auto it = chosen.find(key);
+        if (it == chosen.end()) {
+          // Key tiles per query block, by the band.
+          std::vector<int> tiles(m_blocks);
+          const auto band = Mask(params.mask, 0).band();
+          for (int m = 0; m < m_blocks; ++m) {
+            const int row0 = m * kBlockM;
+            tiles[m] = blocks_covering<kBlockN>(
+                           band.keys_of_rows(row0, std::min(row0 + kBlockM, params.seqlen_q),
+                                             params.seqlen_k))
+                           .count;
+          }
+          it = chosen.emplace(key, choose_band_schedule(tiles, copies, sm_count)).first;
         }
-        it = chosen.emplace(key, choose_band_schedule(tiles, copies, sm_count)).first;
+        result = it->second;
       }
-      BandSchedule result = it->second;
       if (int64_t{result.units.units_per_head()} * copies * kTilesPerUnit > INT32_MAX) {
         result.num_ctas = -1;
       }
