@@ -290,6 +290,13 @@ struct Sm90BwdTile {
   // stored transposed into its staging buffer, which keeps the [rows,
   // head_dim] layout that the TMA reduce-add reads.
   bool dq_transposed = false;
+  // Each consumer computes dQ over its own 64 keys (dQ = dS_c K_c, the whole
+  // block_m x head_dim tile) and its writer adds that into dq_accum: no
+  // barrier between the consumers, which then take turns at the tensor cores
+  // (one issues its products while the other does its element work), for
+  // twice the dQ reduce-add traffic. Needs K rows of 128 bytes (head dim 64
+  // in 16 bits), so that a consumer's keys are one contiguous K tile.
+  bool dq_own_keys = false;
 };
 
 // registers per consumer thread: dK and dV accumulators (above), S^T and dP^T
@@ -298,7 +305,7 @@ struct Sm90BwdTile {
 // smem = (2 * block_n + 2 * q_stages * block_m) * head_dim * 2 bytes (K, V,
 // Q and dO) + 2 * block_m * block_n * 2 bytes (dS, two buffers; P^T as well
 // with p_ds_shared) + dq_buffers * block_m * head_dim * 4 bytes (the float32
-// dQ tile on its way to L2).
+// dQ tile on its way to L2; twice that with dq_own_keys).
 //
 // Keyed by mask and score kind as well (each instantiation reads the entry of
 // its own kinds): under a band the blocks the diagonal cuts are computed
@@ -309,7 +316,18 @@ constexpr Sm90BwdTile sm90_bwd_tile(int head_dim, MaskKind mask,
   switch (head_dim) {
     // 224 KB. block_m 128 against 64: forward+backward +13-16% unmasked, +9%
     // causal (H100, seq 4k and 16k), for a 20-byte spill.
-    case 64: return {128, 128, 2};
+    // Band calls (causal, windows): dQ over each consumer's own keys, one dQ
+    // staging buffer of the whole tile per consumer (64 KB) and one dS buffer
+    // each (32 KB): 192 KB, an 8-byte spill. Causal forward+backward +5% to
+    // +6% at seq 4k and 16k, unmasked -2% (H100; docs/hopper_backward.md,
+    // "Head dim 64 under a band"). Segment ids and softcap keep the shared
+    // dS: with their per-key state or softcap's own P^T operand beside the
+    // late dV product they spilled more (segments 220 bytes against 176,
+    // softcap 128 and 380 against 80 and 296).
+    case 64:
+      return mask == MaskKind::kBand && score == ScoreKind::kPlain
+                 ? Sm90BwdTile{128, 128, 2, false, 1, false, true}
+                 : Sm90BwdTile{128, 128, 2};
     // Unmasked and band calls: 80 query rows per step do 25% more tensor
     // work than 64 for about the same fixed costs per step (unmasked
     // forward+backward +7.6% at seq 4k, +10.7% at 16k, H100; bands predicted

@@ -32,7 +32,8 @@ __device__ __forceinline__ void bulk_wait_complete() {
 
 // The dQ writer of consumer warpgroup `consumer` (one thread of producer warp
 // 1 + consumer). Each step, once the consumer has staged its slice of the dQ
-// tile in shared memory (dq_full), one TMA reduce-add of it into dq_accum;
+// tile (with kDqOwnKeys its whole tile over its own keys) in shared memory
+// (dq_full), one TMA reduce-add of it into dq_accum;
 // the buffer is the consumer's again (dq_empty) once the TMA has read it. In
 // deterministic mode it first waits for the earlier key blocks' additions to
 // the slice and, once its own has landed, counts itself in: global-memory
@@ -52,14 +53,22 @@ __device__ __forceinline__ void write_dq(const BwdArgsSm90<Traits>& args,
     EmptyBarrier::wait(&smem.dq_full[consumer][slot.stage], slot.phase);
     int* semaphore = nullptr;
     if (steps.ordered()) {
-      semaphore =
-          dq_semaphore_at(params, batch, head, m_block, consumer, Traits::kConsumerWarpgroups);
-      dq_semaphore_wait(semaphore, n_block - steps.first_key_block(params, m_block, batch));
+      // A counter per consumer's column slice, or with kDqOwnKeys one for
+      // the tile, which both consumers of a key block add into, 0 then 1.
+      const int earlier = n_block - steps.first_key_block(params, m_block, batch);
+      if constexpr (Traits::kDqOwnKeys) {
+        semaphore = dq_semaphore_at(params, batch, head, m_block, 0, 1);
+        dq_semaphore_wait(semaphore, Traits::kConsumerWarpgroups * earlier + consumer);
+      } else {
+        semaphore =
+            dq_semaphore_at(params, batch, head, m_block, consumer, Traits::kConsumerWarpgroups);
+        dq_semaphore_wait(semaphore, earlier);
+      }
       fence_async_global();  // the acquire, before this reduce-add
     }
     Tensor gdQ = local_tile(mdQ(_, _, head, batch),
                             Shape<Int<Traits::kBlockM>, Int<Traits::kDqCols>>{},
-                            make_coord(m_block, consumer));
+                            make_coord(m_block, Traits::kDqOwnKeys ? 0 : consumer));
     auto [tdQgdQ, tdQsdQ] =
         tma_partition(args.tma_dq, Int<0>{}, Layout<_1>{},
                       group_modes<0, 2>(sdQ(_, _, consumer, slot.stage)), group_modes<0, 2>(gdQ));

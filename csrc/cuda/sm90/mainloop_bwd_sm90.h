@@ -98,19 +98,29 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
   constexpr int kStages = Traits::kStages;
   const BwdParams& params = args.params;
   const int tidx = threadIdx.x - 128;  // 0 .. kConsumerThreads - 1
+  const int consumer = tidx / 128;
+  // Traits::kDqOwnKeys: this consumer's dS tile, dQ product and lse, delta
+  // are its own, and its thread index among the threads sharing them is
+  // tidx % 128.
+  constexpr bool kOwnKeys = Traits::kDqOwnKeys;
+  const int ds_tidx = kOwnKeys ? tidx % 128 : tidx;
+  const int own = kOwnKeys ? consumer : 0;
 
   Tensor sQt = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQt{});
   Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.begin()), typename Traits::SmemLayoutQt{});
-  Tensor sKt = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutKt{});
-  Tensor sdS = make_tensor(make_smem_ptr(smem.ds.begin()), typename Traits::SmemLayoutdS{});
-  Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.begin()), typename Traits::SmemLayoutdSt{});
+  // K^T of the dS tile's keys (of this consumer's 64 with kOwnKeys).
+  Tensor sKt = make_tensor(make_smem_ptr(smem.k.begin() + own * Traits::kDsKeys * kHeadDim),
+                           typename Traits::SmemLayoutKt{});
+  Element* const ds_tile = smem.ds.begin() + own * cosize_v<typename Traits::SmemLayoutdS>;
+  Tensor sdS = make_tensor(make_smem_ptr(ds_tile), typename Traits::SmemLayoutdS{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ds_tile), typename Traits::SmemLayoutdSt{});
 
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmadKV mma_dkv;
   typename Traits::TiledMmadQ mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(tidx);
   auto thr_dkv = mma_dkv.get_thread_slice(tidx);
-  auto thr_dq = mma_dq.get_thread_slice(tidx);
+  auto thr_dq = mma_dq.get_thread_slice(ds_tidx);
   // Shared-memory descriptors of the operands; the ones with a last mode of
   // stages (Q, dO) or buffers (dS) are indexed by it.
   Tensor tSrK = thr_sdp.partition_fragment_A(sK);      // (MMA, MMA_M, MMA_K)
@@ -131,12 +141,12 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
   }();
 
   typename Traits::SmemCopydS smem_copy_ds;
-  auto thr_copy_ds = smem_copy_ds.get_thread_slice(tidx);
+  auto thr_copy_ds = smem_copy_ds.get_thread_slice(ds_tidx);
   Tensor tdSsdS = thr_copy_ds.partition_D(sdSt);  // (CPY, CPY_M, CPY_N, buffer)
 
   // This consumer's dQ staging buffers, and its slice of the (block_m x
-  // head_dim) dQ tile as the dQ product's accumulator partition sees it.
-  const int consumer = tidx / 128;
+  // head_dim) dQ tile (with kOwnKeys all of it) as the dQ product's
+  // accumulator partition sees it.
   // (MMA, MMA_M, MMA_N, buffer), as acc_dq
   Tensor tdQsdQ = [&] {
     if constexpr (Traits::kDqTransposed) {
@@ -144,7 +154,8 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
           make_tensor(make_smem_ptr(smem.dq.begin()), typename Traits::SmemLayoutdQt{}));
     } else {
       Tensor sdQ = make_tensor(make_smem_ptr(smem.dq.begin()), typename Traits::SmemLayoutdQ{});
-      return thr_dq.partition_C(group_modes<1, 3>(sdQ));
+      if constexpr (kOwnKeys) return thr_dq.partition_C(sdQ(_, _, consumer, _));
+      else return thr_dq.partition_C(group_modes<1, 3>(sdQ));
     }
   }();
 
@@ -165,52 +176,89 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
   // The per-element test, built before the loop: its barriers and fences
   // would make the compiler reload the bounds per step.
   const auto visible = mask.template element_test<int>();
+  // dV += P^T dO issued after dK += dS^T Q (P^T converted to 16 bits only
+  // then) rather than while dS^T is computed: for registers
+  // (Traits::kTightRegisters), or with kOwnKeys, whose turns issue dK, dV and
+  // dQ together.
+  constexpr bool kLateDv = Traits::kTightRegisters || kOwnKeys;
   // Where a band's per-element mask is applied. In the exponent loop (P = -0
   // where hidden, which the dS^T loop then finds by its sign), dP^T's product
   // is in flight and S^T, dP^T, dK and dV hold 208 of the 240 registers; with
   // Traits::kTightRegisters (80 query rows) the mask's coordinates did not fit
-  // beside them there (ptxas: a 48-byte spill). kLateMask: after the dS^T
-  // loop instead, where no product is in flight and lse and delta are dead,
-  // P^T and dS^T are set to 0 where hidden (no spill). Either way a hidden
-  // score's P and dS are exact zeros whatever the score was (inf, NaN).
-  constexpr bool kLateMask = Traits::kTightRegisters && !Mask::kDense && !Mask::kHasSegments;
+  // beside them there (ptxas: a 48-byte spill), nor at head dim 64 with
+  // kLateDv (116 bytes). kLateMask: after the dS^T loop instead, where no
+  // product is in flight and lse and delta are dead, P^T and dS^T are set to
+  // 0 where hidden (no spill). Either way a hidden score's P and dS are exact
+  // zeros whatever the score was (inf, NaN).
+  // (Not with softcap, whose dV operand is a copy of its own, made in the
+  // exponent loop.)
+  constexpr bool kLateMask =
+      kLateDv && !Mask::kDense && !Mask::kHasSegments && kScore != ScoreKind::kSoftcap;
   const int lane = tidx % 32;
   const bool warp_leader = lane == 0;
-  // Named barrier (CUTLASS numbering, past its reserved ones): both
-  // consumers' dS^T rows are in shared memory.
+  // Named barriers (CUTLASS numbering, past its reserved ones). The dS
+  // barrier: the dS^T rows of the threads that share the dS tile are in
+  // shared memory (both consumers', or with kOwnKeys this consumer's, at
+  // kDsBarrier + consumer).
   constexpr uint32_t kDsBarrier = 1;
+  const uint32_t ds_barrier = kDsBarrier + own;
   // With kPdSShared: both consumers' P^T columns are in shared memory.
-  constexpr uint32_t kPBarrier = 2;
+  constexpr uint32_t kPBarrier = 3;
+  // Turns at the tensor cores (kOwnKeys): consumer c issues its products
+  // once kTurnBarrier + c completes, and then hands the turn to the other.
+  // Each issues twice per step (S^T and dP^T; then dK, dV and dQ), so that
+  // one's exponentials and dS^T run under the other's products. Consumer 1
+  // starts by handing consumer 0 the first turn and skips its own last
+  // hand-over, which leaves both barriers as they were.
+  constexpr uint32_t kTurnBarrier = 4;
+  auto begin_issue = [&] {
+    if constexpr (kOwnKeys) cutlass::arch::NamedBarrier::sync(256, kTurnBarrier + consumer);
+  };
+  auto end_issue = [&](bool last) {
+    if constexpr (kOwnKeys) {
+      if (!(last && consumer == 1)) {
+        cutlass::arch::NamedBarrier::arrive(256, kTurnBarrier + 1 - consumer);
+      }
+    }
+  };
   // Counters of deterministic mode: params.h gives each query block of >= 32
   // rows two.
   static_assert(Traits::kConsumerWarpgroups <= 2 && kBlockM >= kDqSemaphoreRows);
 
   // lse (log2 domain) and delta of a step's query rows go through shared
-  // memory, buffer step % 2: consumer threads 0 .. block_m - 1 load lse,
-  // block_m .. 2 block_m - 1 delta, one row each, a step ahead. The loads are
-  // issued early in the step before (their latency hidden under its products)
-  // and stored right before its dS barrier, which also orders them: every
-  // read of that buffer two steps back came before the last dS barrier, and
-  // every read of the new values comes after this one. Rows past the end and
-  // rows that saw no key in the forward (lse = -inf) get lse = +inf, so that
-  // P = 0 there.
-  auto load_row_stat = [&](int step) {
+  // memory, buffer step % 2 (with kOwnKeys a copy per consumer): the threads
+  // that share the dS tile load values j = 0 .. block_m - 1 of lse and
+  // block_m .. 2 block_m - 1 of delta, one row each (thread ds_tidx the
+  // values ds_tidx + i * kDsThreads), a step ahead. The loads are issued
+  // early in the step before (their latency hidden under its products) and
+  // stored right before its dS barrier, which also orders them: every read of
+  // that buffer two steps back came before the last dS barrier, and every
+  // read of the new values comes after this one. Rows past the end and rows
+  // that saw no key in the forward (lse = -inf) get lse = +inf, so that P = 0
+  // there.
+  constexpr int kStatLoads = Traits::kRowStatLoads;
+  auto stat_value = [&](int i) { return ds_tidx + i * Traits::kDsThreads; };
+  auto loads_stat = [&](int i) { return stat_value(i) < 2 * kBlockM; };
+  auto load_row_stat = [&](int step, int j) {
     int head, m_block;
     steps.unit(step, head, m_block);
-    const int row = m_block * kBlockM + tidx % kBlockM;
+    const int row = m_block * kBlockM + j % kBlockM;
     const int64_t index = (int64_t{batch} * params.num_heads + head) * params.seqlen_q + row;
-    if (row >= params.seqlen_q) return tidx < kBlockM ? INFINITY : 0.f;
-    if (tidx >= kBlockM) return params.delta[index];
+    if (row >= params.seqlen_q) return j < kBlockM ? INFINITY : 0.f;
+    if (j >= kBlockM) return params.delta[index];
     const float lse = params.lse[index];
     return lse == -INFINITY ? INFINITY : lse * kLog2e;
   };
-  auto store_row_stat = [&](int step, float value) {
-    (tidx < kBlockM ? smem.lse_log2 : smem.delta)[step % 2][tidx % kBlockM] = value;
+  auto store_row_stat = [&](int step, int j, float value) {
+    (j < kBlockM ? smem.lse_log2 : smem.delta)[own][step % 2][j % kBlockM] = value;
   };
-  const bool loads_row_stat = tidx < 2 * kBlockM;
   if (steps.num_steps > 0) {
-    if (loads_row_stat) store_row_stat(0, load_row_stat(0));
-    cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsBarrier);
+    CUTE_UNROLL
+    for (int i = 0; i < kStatLoads; ++i) {
+      if (loads_stat(i)) store_row_stat(0, stat_value(i), load_row_stat(0, stat_value(i)));
+    }
+    cutlass::arch::NamedBarrier::sync(Traits::kDsThreads, ds_barrier);
+    if (kOwnKeys && consumer == 1) cutlass::arch::NamedBarrier::arrive(256, kTurnBarrier);
     FullBarrier::wait(&smem.kv_full, 0);
   }
   for (int step = 0; step < steps.num_steps; ++step) {
@@ -219,16 +267,23 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
     const int row0 = m_block * kBlockM;
     const RingSlot<kStages> slot(step);
     const int stage = slot.stage;
-    const int buffer = step % 2;
+    const int buffer = step % 2;  // of lse and delta (and of P^T with kPdSShared)
+    const int ds_buffer = step % Traits::kDsBuffers;
 
     // S^T = K Q^T and dP^T = V dO^T   (block_n x block_m)
     consumer_wait(&smem.qdo_full[stage], slot.phase);
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    begin_issue();
     wgmma_issue</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
     wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), acc_dp);
-    const bool next_row_stat = loads_row_stat && step + 1 < steps.num_steps;
-    const float row_stat = next_row_stat ? load_row_stat(step + 1) : 0.f;
+    end_issue(false);
+    const bool next_row_stat = step + 1 < steps.num_steps;
+    float row_stat[kStatLoads];
+    CUTE_UNROLL
+    for (int i = 0; i < kStatLoads; ++i) {
+      row_stat[i] = next_row_stat && loads_stat(i) ? load_row_stat(step + 1, stat_value(i)) : 0.f;
+    }
     // Segment ids, while the products run: the rows of this thread's keys,
     // and whether the warp masks this tile (mask_bwd_sm90.h).
     using IdBits = std::conditional_t<(kRows * kCols <= 32), uint32_t, uint64_t>;
@@ -257,7 +312,7 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
                   mask.tile_class(row0, min(row0 + kBlockM, params.seqlen_q), key0,
                                   key0 + kBlockN) != TileClass::kFull;
     float lse_log2[kCols];  // of this thread's query rows (columns)
-    load_column_stat<Traits::kTightRegisters>(lse_log2, smem.lse_log2[buffer], cS_rc, lane);
+    load_column_stat<Traits::kTightRegisters>(lse_log2, smem.lse_log2[own][buffer], cS_rc, lane);
     const int key_limit =
         static_cast<int>(mask.band().keys_of_rows(0, params.seqlen_q, params.seqlen_k).end);
     // Softcap: P^T of the capped score t (recomputed from S^T here rather than
@@ -309,7 +364,7 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
       }
     };
     // dV += P^T dO   (block_n x head_dim), issued while dS^T is computed
-    // (with Traits::kTightRegisters after dK's product instead, below).
+    // (with kLateDv after dK's product instead, below).
     if constexpr (Traits::kPdSShared) {
       // This consumer's P^T columns into shared memory; once both are there,
       // the product over all of them for this consumer's head-dim columns.
@@ -320,7 +375,7 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
       cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kPBarrier);
       Tensor tdVsPt = thr_dkv.partition_fragment_A(sPt);  // (MMA, MMA_M, MMA_K, buffer)
       wgmma_issue<false>(mma_dkv, tdVsPt(_, _, _, buffer), tdVrdO(_, _, _, stage), acc_dv);
-    } else if constexpr (!Traits::kTightRegisters) {
+    } else if constexpr (!kLateDv) {
       Tensor tdVrP = make_tensor<Element>(acc_as_a_operand(acc_s.layout()));
       Tensor p = p_elements();
       Tensor dst = make_tensor(tdVrP.data(), acc_s.layout());
@@ -332,11 +387,11 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
 
     // dS^T = P^T * (dP^T - delta); 0 where P was masked (dP - delta may be
     // NaN there: a NaN in v, or a NaN row's delta).
-    warpgroup_wait<Traits::kTightRegisters ? 0 : 1>();  // dP^T done; dV may still run
+    warpgroup_wait<kLateDv ? 0 : 1>();  // dP^T done; dV may still run
     warpgroup_fence_operand(acc_dp);
     Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
     float delta[kCols];
-    load_column_stat<Traits::kTightRegisters>(delta, smem.delta[buffer], cS_rc, lane);
+    load_column_stat<Traits::kTightRegisters>(delta, smem.delta[own][buffer], cS_rc, lane);
     // P's sign bit (that of P (1 - t^2) with softcap) is set only where masked
     // (-0; exp2 gives +0 and positive NaNs): spread into a mask, it clears dS
     // there. Unmasked tiles have no -0, so the mask is all ones; the two
@@ -369,7 +424,8 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
     }
     Tensor ds = convert_fragment<Element>(acc_dp);
     // dS^T rows into shared memory for the dQ product, then dK += dS^T Q.
-    copy(smem_copy_ds, thr_copy_ds.retile_S(ds), tdSsdS(_, _, _, buffer));
+    copy(smem_copy_ds, thr_copy_ds.retile_S(ds), tdSsdS(_, _, _, ds_buffer));
+    begin_issue();
     if constexpr (!Traits::kPdSShared) {
       Tensor tdKrdS = make_tensor<Element>(acc_as_a_operand(acc_dp.layout()));
       Tensor dst = make_tensor(tdKrdS.data(), acc_dp.layout());
@@ -378,11 +434,11 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
       warpgroup_fence_operand(tdKrdS);
       wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), acc_dk);
     }
-    if constexpr (Traits::kTightRegisters) {
+    if constexpr (kLateDv) {
       // dV += P^T dO, P^T converted only now: its 16-bit copy (the product's
       // register operand) then never lives beside dP^T in float32.
       Tensor tdVrP = make_tensor<Element>(acc_as_a_operand(acc_s.layout()));
-      Tensor p = convert_fragment<Element>(acc_s);
+      Tensor p = p_elements();
       Tensor dst = make_tensor(tdVrP.data(), acc_s.layout());
       CUTE_UNROLL
       for (int i = 0; i < size(p); ++i) dst(i) = p(i);
@@ -390,29 +446,37 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
       wgmma_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage), acc_dv);
     }
 
-    // dQ = dS K   (block_m x this consumer's head-dim columns; with
-    // kDqTransposed its transpose, K^T dS^T), once both consumers' dS^T rows
-    // are visible to the tensor cores (and, with kPdSShared, dK += dS^T Q for
-    // its head-dim columns).
-    if (next_row_stat) store_row_stat(step + 1, row_stat);
+    // dQ = dS K   (block_m x this consumer's head-dim columns, or with
+    // kOwnKeys all of them over its own keys; with kDqTransposed its
+    // transpose, K^T dS^T), once the dS^T rows of the dS tile are visible to
+    // the tensor cores (and, with kPdSShared, dK += dS^T Q for its head-dim
+    // columns).
+    if (next_row_stat) {
+      CUTE_UNROLL
+      for (int i = 0; i < kStatLoads; ++i) {
+        if (loads_stat(i)) store_row_stat(step + 1, stat_value(i), row_stat[i]);
+      }
+    }
     cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsBarrier);
+    cutlass::arch::NamedBarrier::sync(Traits::kDsThreads, ds_barrier);
     if constexpr (Traits::kPdSShared) {
       Tensor tdKsdSt = thr_dkv.partition_fragment_A(sdSt);  // (MMA, MMA_M, MMA_K, buffer)
-      wgmma_issue<false>(mma_dkv, tdKsdSt(_, _, _, buffer), tdKrQ(_, _, _, stage), acc_dk);
+      wgmma_issue<false>(mma_dkv, tdKsdSt(_, _, _, ds_buffer), tdKrQ(_, _, _, stage), acc_dk);
     }
     Tensor acc_dq = partition_fragment_C(mma_dq, typename Traits::dQAccShape{});
     if constexpr (Traits::kDqTransposed) {
-      wgmma_issue<true>(mma_dq, tdQrK, tdQrdS(_, _, _, buffer), acc_dq);
+      wgmma_issue<true>(mma_dq, tdQrK, tdQrdS(_, _, _, ds_buffer), acc_dq);
     } else {
-      wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrK, acc_dq);
+      wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, ds_buffer), tdQrK, acc_dq);
     }
+    end_issue(step + 1 == steps.num_steps);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dv);
     warpgroup_fence_operand(acc_dk);
     warpgroup_fence_operand(acc_dq);
     // Q and dO of this stage are read; the other consumer may still read this
-    // dS buffer, which is written again two steps later, past its next barrier.
+    // dS buffer (unless kOwnKeys), which is written again two steps later,
+    // past its next barrier.
     consumer_release(&smem.qdo_empty[stage], warp_leader);
 
     // dQ_accum += dS K (scaled in the convert kernel): registers -> this

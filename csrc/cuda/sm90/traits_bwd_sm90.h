@@ -63,6 +63,14 @@ struct BwdTraitsSm90 {
   static_assert(kDqTransposed ? kBlockM % 16 == 0 : kBlockM % 64 == 0,
                 "block_m: wgmma's M (64) for dQ = dS K, its K step (16) for dV and dK");
   static_assert(!(kDqTransposed && kPdSShared), "dQ^T is written for the key split only");
+  // dQ over each consumer's own keys (tile_sizes.h, Sm90BwdTile): the
+  // consumers share no dS, and take turns at the tensor cores.
+  static constexpr bool kDqOwnKeys = kTile.dq_own_keys;
+  static_assert(!(kDqOwnKeys && (kPdSShared || kDqTransposed)),
+                "dQ over own keys: dQ = dS K with the key split");
+  static_assert(!kDqOwnKeys || kHeadDim * sizeof(Element) == 128,
+                "dQ over own keys reads a consumer's keys as a K tile of their own: "
+                "rows of one 128-byte swizzle atom");
   // Two consumers: the register budget below assumes them.
   static constexpr int kConsumerWarpgroups = 2;
   static_assert(kBlockN == (kPdSShared ? 64 : 64 * kConsumerWarpgroups),
@@ -72,7 +80,21 @@ struct BwdTraitsSm90 {
   // setmaxnreg: 24 * 128 + 240 * 256 <= 64K registers of the SM.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
-  static_assert(2 * kBlockM <= kConsumerThreads, "a consumer thread per row loads lse or delta");
+  // The threads that share a dS tile (and a barrier before the dQ product):
+  // one consumer with kDqOwnKeys, else all of them. They load a step's lse
+  // and delta together, kRowStatLoads values each; with kDqOwnKeys each
+  // consumer keeps its own copy of them.
+  static constexpr int kDsThreads = kDqOwnKeys ? 128 : kConsumerThreads;
+  static constexpr int kRowStatLoads = (2 * kBlockM + kDsThreads - 1) / kDsThreads;
+  static constexpr int kRowStatCopies = kDqOwnKeys ? kConsumerWarpgroups : 1;
+  static_assert(kDqOwnKeys || kRowStatLoads == 1, "a consumer thread per row loads lse or delta");
+  // Keys of a dS tile, the dS tiles and the buffers of each: two, so that
+  // one consumer may write the next step's dS while the other still reads
+  // this one; one with kDqOwnKeys, where a consumer writes its next dS only
+  // after its own dQ product has read this one.
+  static constexpr int kDsKeys = kDqOwnKeys ? 64 : kBlockN;
+  static constexpr int kDsTiles = kDqOwnKeys ? kConsumerWarpgroups : 1;
+  static constexpr int kDsBuffers = kDqOwnKeys ? 1 : 2;
 
   // Consumer warpgroups along M (keys) or N (query or head-dim columns).
   using AlongM = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
@@ -103,6 +125,10 @@ struct BwdTraitsSm90 {
   // S^T = K Q^T, dP^T = V dO^T: M = block_n, N = block_m, K = head_dim; both K-major.
   using TiledMmaSdP = decltype(make_tiled_mma(
       ss_op<Element, Shape<_64, Int<kSdPCols>, Int<kHeadDim>>>(), ConsumerSplit{}));
+  // One consumer's part of it (its threads' accumulators are the same): the
+  // shape of its dS tile with kDqOwnKeys.
+  using TiledMmaSdPOwn =
+      decltype(make_tiled_mma(ss_op<Element, Shape<_64, Int<kSdPCols>, Int<kHeadDim>>>()));
   // dV += P^T dO, dK += dS^T Q: M = block_n, N = head_dim, K = block_m; B (dO,
   // Q as head_dim x block_m) MN-major: head_dim is contiguous. A from
   // registers, or with kPdSShared from the P^T and dS^T buffers (K-major: the
@@ -122,8 +148,15 @@ struct BwdTraitsSm90 {
   // dQ^T = K^T dS^T: M = head_dim, N = block_m, K = block_n; the same two
   // views of K and dS as A and B, both MN-major still (wgmma transposes
   // 16-bit operands in shared memory). The consumers split M (head-dim rows).
+  // With kDqOwnKeys: dQ = dS_c K_c, M = block_m, N = head_dim, K = the
+  // consumer's 64 keys, one warpgroup's product.
   static constexpr auto make_tiled_mma_dq() {
-    if constexpr (kDqTransposed) {
+    if constexpr (kDqOwnKeys) {
+      return make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, float,
+                               Shape<Int<kBlockM>, Int<kHeadDim>, Int<kDsKeys>>,
+                               GMMA::Major::MN, GMMA::Major::MN>());
+    } else if constexpr (kDqTransposed) {
       return make_tiled_mma(
           ss_op<Element, Shape<_64, Int<kBlockM>, Int<kBlockN>>, GMMA::Major::MN,
                 GMMA::Major::MN>(),
@@ -148,38 +181,44 @@ struct BwdTraitsSm90 {
   using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                              Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   // dS (block_m x block_n), query rows contiguous, as the stmatrix of dS^T
-  // from its accumulator layout writes it; two buffers, so that one consumer
-  // may write the next step's dS while the other still reads this one. P^T
-  // with kPdSShared alike. The widest swizzle whose span of query rows (64,
+  // from its accumulator layout writes it, kDsBuffers buffers. P^T with
+  // kPdSShared alike (two buffers). The widest swizzle whose span of query rows (64,
   // 32 or 16 of them) divides block_m: every one keeps stmatrix's eight
   // 16-byte rows (keys) of a matrix in distinct banks.
   using SmemLayoutdSAtom = std::conditional_t<
       kBlockM % 64 == 0, GMMA::Layout_MN_SW128_Atom<Element>,
       std::conditional_t<kBlockM % 32 == 0, GMMA::Layout_MN_SW64_Atom<Element>,
                          GMMA::Layout_MN_SW32_Atom<Element>>>;
+  // With kDqOwnKeys, one such tile (of its 64 keys) per consumer.
   using SmemLayoutdS =
-      decltype(tile_to_shape(SmemLayoutdSAtom{}, Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+      decltype(tile_to_shape(SmemLayoutdSAtom{},
+                             Shape<Int<kBlockM>, Int<kDsKeys>, Int<kDsBuffers>>{}));
   // Transposed views of the same memory (element (d, m) of Q^T is (m, d) of Q).
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
                                  Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
+  // K^T as the dQ product reads it: the dS tile's keys (with kDqOwnKeys the
+  // consumer's 64, a K tile of their own from row 64 c: K's rows are one
+  // swizzle atom wide, so its row blocks follow each other).
   using SmemLayoutKt = decltype(composition(
-      SmemLayoutK{},
-      make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
+      tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kDsKeys>, Int<kHeadDim>>{}),
+      make_layout(Shape<Int<kHeadDim>, Int<kDsKeys>>{}, Stride<Int<kDsKeys>, _1>{})));
   using SmemLayoutdSt = decltype(composition(
-      SmemLayoutdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{},
-                                  Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
+      SmemLayoutdS{}, make_layout(Shape<Int<kDsKeys>, Int<kBlockM>, Int<kDsBuffers>>{},
+                                  Stride<Int<kBlockM>, _1, Int<kBlockM * kDsKeys>>{})));
   // stmatrix of a consumer's dS^T accumulator rows into the dS buffer.
-  using SmemCopydS = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{},
-                                                TiledMmaSdP{}));
+  using SmemCopydS =
+      decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{},
+                                 std::conditional_t<kDqOwnKeys, TiledMmaSdPOwn, TiledMmaSdP>{}));
 
-  // Each consumer's dQ tile (block_m x head_dim / consumers floats) goes
-  // through shared memory to a TMA reduce-add into dq_accum: the tensor-memory
-  // unit does the float32 additions in L2 asynchronously, in place of 8-byte
-  // atomics from every consumer thread.
-  // Two buffers per consumer: a step writes one while the previous step's
-  // reduce may still be reading the other.
-  static constexpr int kDqCols = kHeadDim / kConsumerWarpgroups;
+  // Each consumer's dQ tile (block_m x head_dim / consumers floats, or with
+  // kDqOwnKeys the whole block_m x head_dim of its keys) goes through shared
+  // memory to a TMA reduce-add into dq_accum: the tensor-memory unit does the
+  // float32 additions in L2 asynchronously, in place of 8-byte atomics from
+  // every consumer thread.
+  // With two buffers per consumer, a step writes one while the previous
+  // step's reduce may still be reading the other.
+  static constexpr int kDqCols = kDqOwnKeys ? kHeadDim : kHeadDim / kConsumerWarpgroups;
   using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{},
                                               Shape<Int<kBlockM>, Int<kDqCols>,
                                                     Int<kConsumerWarpgroups>, Int<kDqBuffers>>{}));
@@ -239,12 +278,12 @@ struct BwdTraitsSm90 {
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutK>> v;
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> dout;
-    alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutdS>> ds;
+    alignas(1024) cute::ArrayEngine<Element, kDsTiles * cosize_v<SmemLayoutdS>> ds;
     alignas(1024) cute::ArrayEngine<float, cosize_v<SmemLayoutdQ>> dq;
     // lse in the log2 domain and delta of a step's query rows, two buffers
     // (the consumer section of the kernel says who writes them when).
-    alignas(16) float lse_log2[2][kBlockM];
-    alignas(16) float delta[2][kBlockM];
+    alignas(16) float lse_log2[kRowStatCopies][2][kBlockM];
+    alignas(16) float delta[kRowStatCopies][2][kBlockM];
     alignas(8) uint64_t kv_full;
     uint64_t qdo_full[kStages];
     uint64_t qdo_empty[kStages];
