@@ -12,12 +12,19 @@
 #                      that force the sm80 kernels on Hopper do not wait for the
 #                      driver's compile of their PTX; OFF to time a user's build)
 #   BENCH_ARGS         quick_bench.py's arguments for the bench step
+#   TEST_K             a pytest -k expression for the tests step (default: every test)
+#   SANITIZE_ARGS      sanitizer_driver.py's arguments for the sanitize step
+#   GRID_ARGS          benchmarks/gpu_benchmark.py's arguments for the grid step
+#                      (its results go to $OUT/grid.json)
 set -u
 : "${STEPS:=build tests sanitize bench}"
 : "${JFLASH_CUDA_SUBSET:=ci}"
 : "${JFLASH_CUDA_ARCHS:=90a}"
 : "${BUILD_JOBS:=$(nproc)}"
 : "${BENCH_ARGS:=--head-dims 128 --seqs 16384}"
+: "${TEST_K:=}"
+: "${SANITIZE_ARGS:=}"
+: "${GRID_ARGS:=--head-dims 128 --seqs 4096 16384}"
 source "$(dirname "$0")/env.sh"
 if [ -n "${WHEEL_DIR:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -40,7 +47,8 @@ for step in $STEPS; do
       timeout 120 python3 -P tools/smoke.py 2>&1 | tee "$OUT/smoke.log"
       [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1 ;;
     tests)
-      timeout 300 python3 -P -m pytest -q -p no:cacheprovider tests/test_cuda_specific.py > "$OUT/test_cuda.log" 2>&1
+      timeout 300 python3 -P -m pytest -q -p no:cacheprovider tests/test_cuda_specific.py \
+        ${TEST_K:+-k "$TEST_K"} > "$OUT/test_cuda.log" 2>&1
       tail -25 "$OUT/test_cuda.log" ;;
     decode)  # the decode kernel: its CUDA checks, the option grid, and compute-sanitizer
       timeout 480 python3 -P -m pytest -q -p no:cacheprovider tests/test_decode_cuda.py \
@@ -69,7 +77,7 @@ for step in $STEPS; do
       for tool in memcheck racecheck; do
         for attempt in 1 2; do  # the tool itself once crashed (rc 139) mid-run: retry once
           timeout 150 compute-sanitizer --tool $tool --kernel-name kns=flash_ \
-            python3 -P tools/sanitizer_driver.py > "$OUT/sanitizer_$tool.log" 2>&1
+            python3 -P tools/sanitizer_driver.py $SANITIZE_ARGS > "$OUT/sanitizer_$tool.log" 2>&1
           rc=$?; echo "$tool attempt $attempt rc=$rc"; tail -4 "$OUT/sanitizer_$tool.log"
           [ $rc -ne 139 ] && break
         done
@@ -109,6 +117,10 @@ for step in $STEPS; do
         | grep -v " 0$" | head -60 ;;
     bench)
       timeout 240 python3 -P tools/quick_bench.py $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" ;;
+    grid)  # jflash beside cuDNN, recorded with the device, jax version and commit
+      timeout 480 python3 -P benchmarks/gpu_benchmark.py $GRID_ARGS --out "$OUT/grid.json" \
+        > "$OUT/grid.log" 2>&1
+      echo "grid rc=$?"; tail -60 "$OUT/grid.log" ;;
   esac
   echo "== $step took $(( $(date +%s) - start )) s"
 done
