@@ -143,8 +143,8 @@ DIRECTIONS = {
         "cuda/sm90/flash_bwd_kernel_sm90.h",
         "register_sm90_bwd_kernel(DType::{dtype_enum}, {head_dim}, MaskKind::{mask_kind},\n"
         "    BwdKernel{{&sm90::run_flash_bwd_sm90<{element}, {head_dim}, {mask_policy}{score}>,\n"
-        "              sm90::BwdTraitsSm90<{element}, {head_dim},\n"
-        "                                  MaskKind::{mask_kind}{score}>::kSmemBytes,\n"
+        "              sm90::bwd_launch_smem_bytes_sm90<{element}, {head_dim},\n"
+        "                                               MaskKind::{mask_kind}{score}>(),\n"
         "              &sm90::tma_compatible_bwd}}{score})",
         SM90_HEAD_DIMS,
     ),

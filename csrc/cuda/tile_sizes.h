@@ -297,6 +297,12 @@ struct Sm90BwdTile {
   // twice the dQ reduce-add traffic. Needs K rows of 128 bytes (head dim 64
   // in 16 bits), so that a consumer's keys are one contiguous K tile.
   bool dq_own_keys = false;
+
+  constexpr bool operator==(const Sm90BwdTile& o) const {
+    return block_m == o.block_m && block_n == o.block_n && q_stages == o.q_stages &&
+           p_ds_shared == o.p_ds_shared && dq_buffers == o.dq_buffers &&
+           dq_transposed == o.dq_transposed && dq_own_keys == o.dq_own_keys;
+  }
 };
 
 // registers per consumer thread: dK and dV accumulators (above), S^T and dP^T
@@ -311,8 +317,11 @@ struct Sm90BwdTile {
 // its own kinds): under a band the blocks the diagonal cuts are computed
 // whole, so larger query blocks waste more there, and the masks and softcap
 // need registers of their own.
+//
+// ordered: the tile of deterministic calls (dQ added in key-block order),
+// where it differs (head dim 64 under a band: below).
 constexpr Sm90BwdTile sm90_bwd_tile(int head_dim, MaskKind mask,
-                                    ScoreKind score = ScoreKind::kPlain) {
+                                    ScoreKind score = ScoreKind::kPlain, bool ordered = false) {
   switch (head_dim) {
     // 224 KB. block_m 128 against 64: forward+backward +13-16% unmasked, +9%
     // causal (H100, seq 4k and 16k), for a 20-byte spill.
@@ -324,8 +333,13 @@ constexpr Sm90BwdTile sm90_bwd_tile(int head_dim, MaskKind mask,
     // dS: with their per-key state or softcap's own P^T operand beside the
     // late dV product they spilled more (segments 220 bytes against 176,
     // softcap 128 and 380 against 80 and 296).
+    // Deterministic calls keep the shared dS too: with dQ over own keys the
+    // two consumers of a key block add into the same dQ tile one after the
+    // other, which doubles the ordered chain of reduce-adds per query block
+    // (causal forward+backward 0.71-0.75x of the default mode at seq 1k-16k,
+    // against 0.87-0.95x with the shared dS; H100, docs/hopper_backward.md).
     case 64:
-      return mask == MaskKind::kBand && score == ScoreKind::kPlain
+      return mask == MaskKind::kBand && score == ScoreKind::kPlain && !ordered
                  ? Sm90BwdTile{128, 128, 2, false, 1, false, true}
                  : Sm90BwdTile{128, 128, 2};
     // Unmasked and band calls: 80 query rows per step do 25% more tensor

@@ -5,8 +5,8 @@ namespace jflash::cuda {
 namespace {
 [[maybe_unused]] const bool kRegistered_bwd_sm90_bf16_hdim64_segments = register_sm90_bwd_kernel(DType::kBFloat16, 64, MaskKind::kSegments,
     BwdKernel{&sm90::run_flash_bwd_sm90<cutlass::bfloat16_t, 64, SegmentMask>,
-              sm90::BwdTraitsSm90<cutlass::bfloat16_t, 64,
-                                  MaskKind::kSegments>::kSmemBytes,
+              sm90::bwd_launch_smem_bytes_sm90<cutlass::bfloat16_t, 64,
+                                               MaskKind::kSegments>(),
               &sm90::tma_compatible_bwd});
 }  // namespace
 }  // namespace jflash::cuda

@@ -5,8 +5,8 @@ namespace jflash::cuda {
 namespace {
 [[maybe_unused]] const bool kRegistered_bwd_sm90_fp16_hdim128_band = register_sm90_bwd_kernel(DType::kFloat16, 128, MaskKind::kBand,
     BwdKernel{&sm90::run_flash_bwd_sm90<cutlass::half_t, 128, BandMask>,
-              sm90::BwdTraitsSm90<cutlass::half_t, 128,
-                                  MaskKind::kBand>::kSmemBytes,
+              sm90::bwd_launch_smem_bytes_sm90<cutlass::half_t, 128,
+                                               MaskKind::kBand>(),
               &sm90::tma_compatible_bwd});
 }  // namespace
 }  // namespace jflash::cuda

@@ -5,8 +5,8 @@ namespace jflash::cuda {
 namespace {
 [[maybe_unused]] const bool kRegistered_bwd_sm90_fp16_hdim128_full = register_sm90_bwd_kernel(DType::kFloat16, 128, MaskKind::kNone,
     BwdKernel{&sm90::run_flash_bwd_sm90<cutlass::half_t, 128, NoMask>,
-              sm90::BwdTraitsSm90<cutlass::half_t, 128,
-                                  MaskKind::kNone>::kSmemBytes,
+              sm90::bwd_launch_smem_bytes_sm90<cutlass::half_t, 128,
+                                               MaskKind::kNone>(),
               &sm90::tma_compatible_bwd});
 }  // namespace
 }  // namespace jflash::cuda

@@ -5,8 +5,8 @@ namespace jflash::cuda {
 namespace {
 [[maybe_unused]] const bool kRegistered_bwd_sm90_fp16_hdim256_segments_softcap = register_sm90_bwd_kernel(DType::kFloat16, 256, MaskKind::kSegments,
     BwdKernel{&sm90::run_flash_bwd_sm90<cutlass::half_t, 256, SegmentMask, ScoreKind::kSoftcap>,
-              sm90::BwdTraitsSm90<cutlass::half_t, 256,
-                                  MaskKind::kSegments, ScoreKind::kSoftcap>::kSmemBytes,
+              sm90::bwd_launch_smem_bytes_sm90<cutlass::half_t, 256,
+                                               MaskKind::kSegments, ScoreKind::kSoftcap>(),
               &sm90::tma_compatible_bwd}, ScoreKind::kSoftcap);
 }  // namespace
 }  // namespace jflash::cuda

@@ -164,9 +164,12 @@ inline bool tma_compatible_bwd(const BwdParams& p) {
          stride_ok(p.dout_head_stride) && stride_ok(p.dout_batch_stride);
 }
 
-template <typename Element, int kHeadDim, typename Mask, ScoreKind kScore = ScoreKind::kPlain>
-cudaError_t run_flash_bwd_sm90(const BwdParams& call_params, const LaunchContext& ctx) {
-  using Traits = BwdTraitsSm90<Element, kHeadDim, Mask::kKind, kScore>;
+// One launch of the kernel of Traits (the default tile, or the kOrdered one:
+// run_flash_bwd_sm90 below picks).
+template <typename Traits, typename Mask, ScoreKind kScore>
+cudaError_t launch_flash_bwd_sm90(const BwdParams& call_params, const LaunchContext& ctx) {
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim;
   using Scheduler = BwdSchedulerSm90<Traits::kBlockM, Traits::kBlockN, Mask>;
   if (call_params.head_dim > kHeadDim || call_params.head_dim % 8 != 0) {
     return cudaErrorInvalidValue;
@@ -222,6 +225,21 @@ cudaError_t run_flash_bwd_sm90(const BwdParams& call_params, const LaunchContext
   kernel<<<static_cast<unsigned>(num_ctas), Traits::kNThreads, kSmemBytes, ctx.stream>>>(args);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   return launch_bwd_postprocess<Element>(params, ctx);
+}
+
+// Deterministic calls (params.dq_semaphore set) run the kOrdered tile where
+// the table gives one (tile_sizes.h, sm90_bwd_tile): a second kernel in that
+// instantiation only.
+template <typename Element, int kHeadDim, typename Mask, ScoreKind kScore = ScoreKind::kPlain>
+cudaError_t run_flash_bwd_sm90(const BwdParams& params, const LaunchContext& ctx) {
+  using Traits = BwdTraitsSm90<Element, kHeadDim, Mask::kKind, kScore>;
+  using OrderedTraits = BwdTraitsSm90<Element, kHeadDim, Mask::kKind, kScore, true>;
+  if constexpr (!(Traits::kTile == OrderedTraits::kTile)) {
+    if (params.dq_semaphore != nullptr) {
+      return launch_flash_bwd_sm90<OrderedTraits, Mask, kScore>(params, ctx);
+    }
+  }
+  return launch_flash_bwd_sm90<Traits, Mask, kScore>(params, ctx);
 }
 
 }  // namespace jflash::cuda::sm90

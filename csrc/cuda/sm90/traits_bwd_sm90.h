@@ -44,12 +44,14 @@ constexpr auto ss_op() {
   }
 }
 
+// kOrdered: the variant that deterministic calls launch (sm90_bwd_tile's
+// `ordered`; the same tile where the table gives no other).
 template <typename Element_, int kHeadDim_, MaskKind kMaskKind,
-          ScoreKind kScoreKind = ScoreKind::kPlain>
+          ScoreKind kScoreKind = ScoreKind::kPlain, bool kOrdered = false>
 struct BwdTraitsSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr Sm90BwdTile kTile = sm90_bwd_tile(kHeadDim, kMaskKind, kScoreKind);
+  static constexpr Sm90BwdTile kTile = sm90_bwd_tile(kHeadDim, kMaskKind, kScoreKind, kOrdered);
   static_assert(kTile.block_m > 0, "no sm90 backward tile for this head dim");
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
@@ -296,6 +298,17 @@ struct BwdTraitsSm90 {
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024);
 };
+
+// The shared memory that a launch of an instantiation may take: its
+// deterministic calls run the kOrdered variant where that differs.
+template <typename Element, int kHeadDim, MaskKind kMaskKind,
+          ScoreKind kScoreKind = ScoreKind::kPlain>
+constexpr int bwd_launch_smem_bytes_sm90() {
+  constexpr int kDefault = BwdTraitsSm90<Element, kHeadDim, kMaskKind, kScoreKind>::kSmemBytes;
+  constexpr int kOrdered =
+      BwdTraitsSm90<Element, kHeadDim, kMaskKind, kScoreKind, true>::kSmemBytes;
+  return kDefault > kOrdered ? kDefault : kOrdered;
+}
 
 // The kernel's parameters: the plain BwdParams plus the TMA descriptors built
 // from them on the host (passed by value, as __grid_constant__).
