@@ -234,6 +234,16 @@ inline bool tma_compatible(const FwdParams& p) {
          stride_ok(p.v_row_stride) && stride_ok(p.v_head_stride) && stride_ok(p.v_batch_stride);
 }
 
+// Whether a Hopper kernel built for kHeadDim runs a call of head_dim: a
+// narrower head dim runs on the next Hopper one (head_dims.h,
+// sm90_kernel_head_dim) with its columns past head_dim zero-filled by TMA;
+// rows of a multiple of 8 elements keep TMA's 16-byte alignment and the
+// output's pair stores whole.
+template <int kHeadDim>
+inline bool sm90_runs_head_dim(int head_dim) {
+  return head_dim <= kHeadDim && head_dim % 8 == 0;
+}
+
 // The instantiation files' registrations (the score kind last: the plain
 // kernels' files predate it).
 inline bool register_sm90_fwd_kernel(DType dtype, int head_dim, MaskKind mask, FwdKernel kernel,

@@ -171,9 +171,7 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& call_params, const LaunchCont
   using Element = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim;
   using Scheduler = BwdSchedulerSm90<Traits::kBlockM, Traits::kBlockN, Mask>;
-  if (call_params.head_dim > kHeadDim || call_params.head_dim % 8 != 0) {
-    return cudaErrorInvalidValue;
-  }
+  if (!sm90_runs_head_dim<kHeadDim>(call_params.head_dim)) return cudaErrorInvalidValue;
   BwdParams params = call_params;
   const typename Scheduler::Plan plan = Scheduler::plan(params, ctx.sm_count, ctx.bwd_head_splits);
   params.head_splits = plan.head_splits;

@@ -110,9 +110,7 @@ template <typename Traits, typename Mask, ScoreKind kScore>
 cudaError_t launch_flash_fwd_sm90(const FwdParams& params, const LaunchContext& ctx) {
   using Element = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim;
-  // A call of a narrower head dim runs here (head_dims.h, sm90_kernel_head_dim);
-  // its 16-byte rows keep TMA's alignment and the output's pair stores whole.
-  if (params.head_dim > kHeadDim || params.head_dim % 8 != 0) return cudaErrorInvalidValue;
+  if (!sm90_runs_head_dim<kHeadDim>(params.head_dim)) return cudaErrorInvalidValue;
   auto gmem = [](const void* ptr, auto shape, auto stride) {
     return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), shape, stride);
   };
