@@ -297,12 +297,6 @@ struct Sm90BwdTile {
   // twice the dQ reduce-add traffic. Needs K rows of 128 bytes (head dim 64
   // in 16 bits), so that a consumer's keys are one contiguous K tile.
   bool dq_own_keys = false;
-
-  constexpr bool operator==(const Sm90BwdTile& o) const {
-    return block_m == o.block_m && block_n == o.block_n && q_stages == o.q_stages &&
-           p_ds_shared == o.p_ds_shared && dq_buffers == o.dq_buffers &&
-           dq_transposed == o.dq_transposed && dq_own_keys == o.dq_own_keys;
-  }
 };
 
 // registers per consumer thread: dK and dV accumulators (above), S^T and dP^T
@@ -318,8 +312,9 @@ struct Sm90BwdTile {
 // whole, so larger query blocks waste more there, and the masks and softcap
 // need registers of their own.
 //
-// ordered: the tile of deterministic calls (dQ added in key-block order),
-// where it differs (head dim 64 under a band: below).
+// ordered: the tile of deterministic calls (dQ added in key-block order). It
+// differs only where the default tile computes dQ over own keys, which
+// ordered tiles never do (head dim 64 under a band: below).
 constexpr Sm90BwdTile sm90_bwd_tile(int head_dim, MaskKind mask,
                                     ScoreKind score = ScoreKind::kPlain, bool ordered = false) {
   switch (head_dim) {

@@ -225,16 +225,16 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& call_params, const LaunchCont
   return launch_bwd_postprocess<Element>(params, ctx);
 }
 
-// Deterministic calls (params.dq_semaphore set) run the kOrdered tile where
-// the table gives one (tile_sizes.h, sm90_bwd_tile): a second kernel in that
-// instantiation only.
+// Deterministic calls (params.dq_semaphore set) of an instantiation whose
+// tile computes dQ over own keys run its kOrdered tile (tile_sizes.h,
+// sm90_bwd_tile): a second kernel in those instantiations only.
 template <typename Element, int kHeadDim, typename Mask, ScoreKind kScore = ScoreKind::kPlain>
 cudaError_t run_flash_bwd_sm90(const BwdParams& params, const LaunchContext& ctx) {
   using Traits = BwdTraitsSm90<Element, kHeadDim, Mask::kKind, kScore>;
-  using OrderedTraits = BwdTraitsSm90<Element, kHeadDim, Mask::kKind, kScore, true>;
-  if constexpr (!(Traits::kTile == OrderedTraits::kTile)) {
+  if constexpr (Traits::kDqOwnKeys) {
     if (params.dq_semaphore != nullptr) {
-      return launch_flash_bwd_sm90<OrderedTraits, Mask, kScore>(params, ctx);
+      return launch_flash_bwd_sm90<BwdTraitsSm90<Element, kHeadDim, Mask::kKind, kScore, true>,
+                                   Mask, kScore>(params, ctx);
     }
   }
   return launch_flash_bwd_sm90<Traits, Mask, kScore>(params, ctx);

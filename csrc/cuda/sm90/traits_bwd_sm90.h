@@ -45,7 +45,7 @@ constexpr auto ss_op() {
 }
 
 // kOrdered: the variant that deterministic calls launch (sm90_bwd_tile's
-// `ordered`; the same tile where the table gives no other).
+// `ordered`), for instantiations whose default tile has kDqOwnKeys.
 template <typename Element_, int kHeadDim_, MaskKind kMaskKind,
           ScoreKind kScoreKind = ScoreKind::kPlain, bool kOrdered = false>
 struct BwdTraitsSm90 {
@@ -70,6 +70,8 @@ struct BwdTraitsSm90 {
   static constexpr bool kDqOwnKeys = kTile.dq_own_keys;
   static_assert(!(kDqOwnKeys && (kPdSShared || kDqTransposed)),
                 "dQ over own keys: dQ = dS K with the key split");
+  static_assert(!(kDqOwnKeys && kOrdered),
+                "deterministic calls: both consumers' dQ of a key block in one ordered add");
   static_assert(!kDqOwnKeys || kHeadDim * sizeof(Element) == 128,
                 "dQ over own keys reads a consumer's keys as a K tile of their own: "
                 "rows of one 128-byte swizzle atom");
@@ -299,15 +301,19 @@ struct BwdTraitsSm90 {
   static_assert(kSmemBytes <= 227 * 1024);
 };
 
-// The shared memory that a launch of an instantiation may take: its
-// deterministic calls run the kOrdered variant where that differs.
+// The shared memory that a launch of an instantiation may take: with
+// kDqOwnKeys its deterministic calls run the kOrdered variant.
 template <typename Element, int kHeadDim, MaskKind kMaskKind,
           ScoreKind kScoreKind = ScoreKind::kPlain>
 constexpr int bwd_launch_smem_bytes_sm90() {
-  constexpr int kDefault = BwdTraitsSm90<Element, kHeadDim, kMaskKind, kScoreKind>::kSmemBytes;
-  constexpr int kOrdered =
-      BwdTraitsSm90<Element, kHeadDim, kMaskKind, kScoreKind, true>::kSmemBytes;
-  return kDefault > kOrdered ? kDefault : kOrdered;
+  using Default = BwdTraitsSm90<Element, kHeadDim, kMaskKind, kScoreKind>;
+  if constexpr (Default::kDqOwnKeys) {
+    constexpr int kOrdered =
+        BwdTraitsSm90<Element, kHeadDim, kMaskKind, kScoreKind, true>::kSmemBytes;
+    return Default::kSmemBytes > kOrdered ? Default::kSmemBytes : kOrdered;
+  } else {
+    return Default::kSmemBytes;
+  }
 }
 
 // The kernel's parameters: the plain BwdParams plus the TMA descriptors built
