@@ -20,13 +20,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 // delta = rowsum(dO * O) - dlse, one warp per (batch, head, query row), in the
 // row order of delta. Lanes each read 16 bytes of dO and O at a time (the
-// call's head_dim: a Hopper kernel of a wider kHeadDim may run it). Also
-// zeroes the main kernel's unit counter (params.h), where there is one.
+// call's head_dim: a Hopper kernel of a wider kHeadDim may run it).
 template <typename Element, int kHeadDim>
 __global__ void flash_bwd_delta_kernel(const __grid_constant__ BwdParams params) {
-  if (params.unit_counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
-    *params.unit_counter = 0;
-  }
   constexpr int kChunk = 16 / int(sizeof(Element));  // elements per 16 bytes
   const int chunks = min(kHeadDim, params.head_dim) / kChunk;
   constexpr int kWarpsPerBlock = 8;
@@ -272,8 +268,8 @@ __global__ void flash_bwd_convert_dkv_kernel(const __grid_constant__ BwdParams p
 }
 
 // Before the main kernel: dq_accum zeroed (the main kernels add into it), and
-// dkv_accum where GQA groups are split, the deterministic mode's counters and
-// the unit counter zeroed, and delta computed. Grid-stride
+// dkv_accum where GQA groups are split, the deterministic mode's counters
+// zeroed, and delta computed. Grid-stride
 // kernels: a few waves of CTAs saturate bandwidth.
 template <typename Element, int kHeadDim>
 cudaError_t launch_bwd_preprocess(const BwdParams& params, const LaunchContext& ctx) {

@@ -1,4 +1,4 @@
-// The ABI of jflash_fwd_v4, jflash_bwd_v7, jflash_decode_v1 and
+// The ABI of jflash_fwd_v4, jflash_bwd_v6, jflash_decode_v1 and
 // jflash_decode_append_v1, written once: arguments, results
 // and attributes in the order jflash/_src/kernel_calls.py passes them. Each
 // platform passes in Ffi::Bind() with its own context (the CUDA stream) already
@@ -57,7 +57,6 @@ auto BindBwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // delta (float32 scratch)
       .template Ret<ffi::AnyBuffer>()            // dq_semaphore (int32 scratch; empty: not deterministic)
       .template Ret<ffi::AnyBuffer>()            // dkv_accum (float32 scratch; empty unless GQA on CUDA)
-      .template Ret<ffi::AnyBuffer>()            // unit_counter (int32 scratch of one; empty on CPU)
       .template Attr<float>("softmax_scale")
       .template Attr<int64_t>("diag_lo")
       .template Attr<int64_t>("diag_hi")

@@ -1,4 +1,4 @@
-// XLA FFI handlers for platform "cpu": jflash_fwd_v4, jflash_bwd_v7,
+// XLA FFI handlers for platform "cpu": jflash_fwd_v4, jflash_bwd_v6,
 // jflash_decode_v1 and jflash_decode_append_v1.
 //
 // The CUDA handlers (csrc/ffi/cuda_handlers.cu) bind the same arguments in the
@@ -45,14 +45,13 @@ ffi::Error BwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
                   ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                   ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta,
                   ffi::Result<ffi::AnyBuffer> dq_semaphore, ffi::Result<ffi::AnyBuffer> dkv_accum,
-                  ffi::Result<ffi::AnyBuffer> unit_counter,
                   float softmax_scale, int64_t diag_lo, int64_t diag_hi, float softcap,
                   int64_t tf32_passes) {
   BwdParams params;
   const ffi_glue::SegmentBuffers segments{q_segment_ids,    kv_segment_ids,   q_segment_blocks,
                                           kv_segment_blocks, q_segment_ranges, kv_segment_ranges};
   if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, segments, *dq, *dk, *dv,
-                                         *dq_accum, *delta, *dq_semaphore, *dkv_accum, *unit_counter,
+                                         *dq_accum, *delta, *dq_semaphore, *dkv_accum,
                                          softmax_scale, diag_lo, diag_hi, softcap, &params,
                                          /*uses_dq_accum=*/false);
       err.failure()) {

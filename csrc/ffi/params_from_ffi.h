@@ -223,7 +223,7 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
                                 ffi::AnyBuffer dq, ffi::AnyBuffer dk,
                                 ffi::AnyBuffer dv, ffi::AnyBuffer dq_accum, ffi::AnyBuffer delta,
                                 ffi::AnyBuffer dq_semaphore, ffi::AnyBuffer dkv_accum,
-                                ffi::AnyBuffer unit_counter, float softmax_scale, int64_t diag_lo, int64_t diag_hi,
+                                float softmax_scale, int64_t diag_lo, int64_t diag_hi,
                                 float softcap, BwdParams* p, bool uses_dq_accum = true) {
   if (auto err = FillFwdParams(q, k, v, segments, out, lse, softmax_scale, diag_lo, diag_hi,
                                softcap, p);
@@ -262,12 +262,6 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
        (p->heads_per_kv == 1 || dkv_accum.element_count() != dkv_accum_count(*p)))) {
     return ffi::Error::InvalidArgument("jflash: bad dkv_accum buffer");
   }
-  // unit_counter: int32, the CUDA backward's counter first (one, or one per
-  // vmapped call: the kernels use the first); empty where unused (CPU).
-  if (unit_counter.element_type() != ffi::DataType::S32 ||
-      (uses_dq_accum ? unit_counter.element_count() < 1 : unit_counter.element_count() != 0)) {
-    return ffi::Error::InvalidArgument("jflash: bad unit_counter buffer");
-  }
   p->dout = dout.untyped_data();
   p->dlse = static_cast<const float*>(dlse.untyped_data());
   p->dq = dq.untyped_data();
@@ -281,7 +275,6 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   p->dkv_accum = uses_dq_accum && dkv_accum.element_count() > 0
                      ? static_cast<float*>(dkv_accum.untyped_data())
                      : nullptr;
-  p->unit_counter = uses_dq_accum ? static_cast<int*>(unit_counter.untyped_data()) : nullptr;
   p->head_splits = 1;
   p->launch_group = 1;
   p->dout_batch_stride = p->out_batch_stride;

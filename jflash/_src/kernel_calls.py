@@ -119,9 +119,6 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
     num_heads_kv, seqlen_k = k.shape[-2], k.shape[-3]
     dkv_accum_shape = ((*lead, num_heads_kv, 2, seqlen_k, head_dim)
                        if num_heads != num_heads_kv and not on_cpu else (0,))
-    # The counter from which the CUDA backward's CTAs take their units (params.h,
-    # unit_counter); the CPU kernel takes an empty buffer.
-    unit_counter_shape = (0,) if on_cpu else (1,)
     call = jax.ffi.ffi_call(
         _ffi.BWD_TARGET,
         (
@@ -134,7 +131,6 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
             jax.ShapeDtypeStruct((*lead, num_heads, seqlen_q), f32),  # delta
             jax.ShapeDtypeStruct(semaphore_shape, jnp.int32),  # dq_semaphore
             jax.ShapeDtypeStruct(dkv_accum_shape, f32),  # dkv_accum
-            jax.ShapeDtypeStruct(unit_counter_shape, jnp.int32),  # unit_counter
         ),
         vmap_method="broadcast_all",
     )

@@ -38,19 +38,18 @@ __device__ __forceinline__ void bulk_wait_complete() {
 // deterministic mode it first waits for the earlier key blocks' additions to
 // the slice and, once its own has landed, counts itself in: global-memory
 // latencies that the consumers never wait for (they stage into the other
-// buffer meanwhile). One unit's steps; base: the CTA's steps before them (the
-// buffers' ring runs on across units).
+// buffer meanwhile).
 template <typename Traits, typename Steps>
 __device__ __forceinline__ void write_dq(const BwdArgsSm90<Traits>& args,
                                          typename Traits::SharedStorage& smem, const Steps& steps,
-                                         int consumer, int n_block, int batch, int base) {
+                                         int consumer, int n_block, int batch) {
   const BwdParams& params = args.params;
   Tensor sdQ = make_tensor(make_smem_ptr(smem.dq.begin()), typename Traits::SmemLayoutdQ{});
   Tensor mdQ = args.tma_dq.get_tma_tensor(Traits::shape_q(params));
   for (int step = 0; step < steps.num_steps; ++step) {
     int head, m_block;
     steps.unit(step, head, m_block);
-    const RingSlot<Traits::kDqBuffers> slot(base + step);
+    const RingSlot<Traits::kDqBuffers> slot(step);
     EmptyBarrier::wait(&smem.dq_full[consumer][slot.stage], slot.phase);
     int* semaphore = nullptr;
     if (steps.ordered()) {
@@ -92,8 +91,7 @@ __device__ __forceinline__ void write_dq(const BwdArgsSm90<Traits>& args,
 // CuTe's element copy compiles to generic stores here (the swizzled
 // address hides the state space).
 // tdQsdQ: the staging buffers as acc_dq's partition sees them (MMA, MMA_M,
-// MMA_N, buffer); step: the step's position in the CTA's rings (its units'
-// steps counted on), whose buffer it takes.
+// MMA_N, buffer); step: the consumer's step, whose buffer it takes.
 template <typename Traits, typename AccDq, typename StagingDq>
 __device__ __forceinline__ void stage_dq(typename Traits::SharedStorage& smem, const AccDq& acc_dq,
                                          const StagingDq& tdQsdQ, int consumer, int step,

@@ -2,13 +2,11 @@
 // with TMA loads, wgmma products and warp specialization (FlashAttention-3's
 // design, section 3 of its paper; our own code).
 //
-// A unit of work is a (key block, kv head, batch), or a share of the kv
-// head's query heads where a GQA group is split; persistent CTAs, one per SM,
-// run units one after another in launch order (BwdSchedulerSm90,
-// tile_scheduler_sm90.h). For a unit a CTA keeps its block_n keys' K and V
-// tiles and their dK, dV accumulators on chip, and walks every (query head of
-// its share of the GQA group, query block) pair whose rows the band lets see
-// the keys:
+// One CTA per (key block, kv head, batch), or per share of the kv head's query
+// heads where a GQA group is split (BwdSchedulerSm90, tile_scheduler_sm90.h).
+// It keeps its block_n keys' K and V tiles and their dK, dV accumulators on
+// chip, and walks every (query head of its share of the GQA group, query
+// block) pair whose rows the band lets see the keys:
 //
 //   S^T  = K Q^T                    (wgmma, both from shared memory)
 //   dP^T = V dO^T
@@ -29,16 +27,12 @@
 // query block).
 //
 // Roles (warpgroups of 128 threads):
-//   warpgroup 0, the producer: in warp 0 one thread loads each step's Q and
-//     dO tiles into a ring of q_stages buffers (pipeline_sm90.h), each
-//     guarded by a "full" mbarrier (TMA bytes landed) and an "empty" one
-//     (every consumer warp is done reading it), and each unit's K and V,
-//     guarded the same way; it also takes the CTA's next unit from the
-//     counter and hands it to the other warps. In warp 1 + w one thread
-//     writes consumer w's dQ (write_dq). It gives most of its registers away
-//     (setmaxnreg). The rings run on from one unit to the next, so the next
-//     unit's first Q and dO load while the last one's last step runs, and its
-//     K and V while the consumers write the last one's dK and dV.
+//   warpgroup 0, the producer: in warp 0 one thread loads K and V once, then
+//     each step's Q and dO tiles into a ring of q_stages buffers
+//     (pipeline_sm90.h), each guarded by a "full" mbarrier (TMA bytes landed)
+//     and an "empty" one (every consumer warp is done reading it); in warp
+//     1 + w one thread writes consumer w's dQ (write_dq). It gives most of its
+//     registers away (setmaxnreg).
 //   warpgroups 1..: the consumers, 64 keys each (S^T, dP^T, dV, dK rows).
 //     The dQ product needs all of dS: each consumer writes its dS^T rows into
 //     shared memory, a named barrier joins them, and consumer w computes dQ's
@@ -52,8 +46,8 @@
 //     after each) and are the A operands of dV and dK from there.
 // docs/hopper_backward.md gives the measurement behind each choice.
 //
-// Files: this one sets up a CTA (the barriers, its walk over units) and hands
-// each role its part; mainloop_bwd_sm90.h holds the producer's loads and the consumers'
+// Files: this one sets up a CTA (its unit, the barriers) and hands each role
+// its part; mainloop_bwd_sm90.h holds the producer's loads and the consumers'
 // steps, epilogue_bwd_sm90.h the dQ staging, the dQ writer and the dK, dV
 // store, column_stat_sm90.h the per-column lse and delta, mask_bwd_sm90.h the
 // segment ids' rows per key; traits_bwd_sm90.h the shapes and layouts.
@@ -108,21 +102,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
-  using Scheduler = BwdSchedulerSm90<kBlockM, kBlockN, Mask>;
-  using Steps = KeyBlockSteps<kBlockM, kBlockN, Mask>;
-  // The loader warp, the dQ writer warps and the consumers take part in the
-  // hand-over of each next unit.
-  using Handover = UnitHandoverSm90<32 * (1 + Traits::kConsumerWarpgroups) +
-                                    Traits::kConsumerThreads>;
-  const int num_units = static_cast<int>(Scheduler::num_units(params));
-  auto steps_of = [&](const typename Scheduler::Unit& u) {
-    return Steps(params, u.n_block, u.kv_head, u.batch, u.split, params.head_splits);
-  };
+  const auto unit = BwdSchedulerSm90<kBlockM, kBlockN, Mask>::unit(params);
+  const int n_block = unit.n_block;
+  const int kv_head = unit.kv_head;
+  const int batch = unit.batch;
+  const KeyBlockSteps<kBlockM, kBlockN, Mask> steps(params, n_block, kv_head, batch, unit.split,
+                                                    params.head_splits);
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     FullBarrier::init(&smem.kv_full, 1);
-    EmptyBarrier::init(&smem.kv_empty, Traits::kConsumerThreads / 32);
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
       init_buffer_barriers(&smem.qdo_full[s], &smem.qdo_empty[s], Traits::kConsumerThreads / 32);
@@ -145,61 +134,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutK{});
   const auto tiles = cute::make_tuple(sQ, sdO, sK, sV);
 
-  // Each role walks the CTA's units (Scheduler: its first, then those the
-  // loader fetches and hands over), counting the steps before the current
-  // unit (base: the rings run on across units) and the K, V loads (kv_loads:
-  // units without steps load none).
-  int index = blockIdx.x;
-  int base = 0;
-  int kv_loads = 0;
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
     const int warp = threadIdx.x / 32;
-    if (warp > Traits::kConsumerWarpgroups) return;
-    // Lane 0 of warp 0 loads, of warp 1 + w writes consumer w's dQ; the whole
-    // warps take part in the hand-overs.
-    const bool leader = threadIdx.x % 32 == 0;
-    if (warp == 0) {
-      for (;;) {
-        const auto u = Scheduler::unit_at(params, index);
-        const Steps steps = steps_of(u);
-        if (leader) {
-          load_kv_qdo(args, smem, tiles, steps, u.n_block, u.kv_head, u.batch, base, kv_loads);
-        }
-        __syncwarp();
-        base += steps.num_steps;
-        kv_loads += steps.num_steps > 0;
-        index = __shfl_sync(0xffffffff, leader ? Scheduler::fetch_unit(params) : 0, 0);
-        Handover::give(&smem.next_unit, index, leader);
-        if (index >= num_units) return;
-      }
+    if (warp > Traits::kConsumerWarpgroups || !cute::elect_one_sync() || steps.num_steps == 0) {
+      return;
     }
-    Handover::first_take();
-    for (;;) {
-      const auto u = Scheduler::unit_at(params, index);
-      const Steps steps = steps_of(u);
-      if (leader) write_dq(args, smem, steps, warp - 1, u.n_block, u.batch, base);
-      __syncwarp();
-      base += steps.num_steps;
-      index = Handover::take(&smem.next_unit, num_units);
-      if (index >= num_units) return;
+    if (warp > 0) {
+      write_dq(args, smem, steps, warp - 1, n_block, batch);
+      return;
     }
+    load_kv_qdo(args, smem, tiles, steps, n_block, kv_head, batch);
+    return;
   }
 
   // ------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
-  Handover::first_take();
-  for (;;) {
-    const auto u = Scheduler::unit_at(params, index);
-    const Steps steps = steps_of(u);
-    consume<Traits, Mask, kScore>(args, smem, tiles, steps, u.n_block, u.kv_head, u.batch, base,
-                                  kv_loads);
-    base += steps.num_steps;
-    kv_loads += steps.num_steps > 0;
-    index = Handover::take(&smem.next_unit, num_units);
-    if (index >= num_units) return;
-  }
+  consume<Traits, Mask, kScore>(args, smem, tiles, steps, n_block, kv_head, batch);
 }
 
 // TMA reads the four input tiles: 16-byte aligned bases and strides, and
@@ -224,9 +176,7 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& call_params, const LaunchCont
   const typename Scheduler::Plan plan = Scheduler::plan(params, ctx.sm_count, ctx.bwd_head_splits);
   params.head_splits = plan.head_splits;
   params.launch_group = plan.launch_group;
-  // The persistent CTAs take units from params.unit_counter (the scheduler).
-  if (params.unit_counter == nullptr) return cudaErrorInvalidValue;
-  const int64_t num_ctas = Scheduler::grid_size(params, ctx.sm_count);
+  const int64_t num_ctas = Scheduler::grid_size(params);
   if (num_ctas < 0) return cudaErrorInvalidConfiguration;
   if (cudaError_t err = launch_bwd_preprocess<Element, kHeadDim>(params, ctx); err != cudaSuccess) {
     return err;
@@ -265,7 +215,6 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& call_params, const LaunchCont
   };
   auto kernel = &flash_bwd_sm90_kernel<Traits, Mask, kScore>;
   constexpr int kSmemBytes = Traits::kSmemBytes;
-  static_assert(2 * kSmemBytes > 228 * 1024, "grid_size: one CTA per SM");
   if (cudaError_t err =
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
       err != cudaSuccess) {

@@ -30,22 +30,16 @@ namespace jflash::cuda::sm90 {
 using namespace cute;
 
 // tiles (both roles): the shared-memory tensors sQ, sdO (stages), sK, sV, as
-// the kernel built them. base: the steps of the CTA's units before this one
-// (the position of its first step in the rings, which run on across units);
-// kv_loads: the units before it whose K and V were loaded (those with steps).
+// the kernel built them.
 //
-// The producer's loads of one unit (one thread of warp 0): each step's Q and
-// dO tiles into the ring of q_stages buffers, a buffer refilled once every
-// consumer warp has released it (qdo_empty), and the key block's K and V once
-// the consumers are done with the last unit's (kv_empty). K and V go after
-// the first step's Q and dO, which can load while the last unit's last step
-// still runs.
+// The producer's loads (one thread of warp 0): the key block's K and V once,
+// then each step's Q and dO tiles into the ring of q_stages buffers, a buffer
+// refilled once every consumer warp has released it (qdo_empty).
 template <typename Traits, typename Steps, typename SmemTensors>
 __device__ __forceinline__ void load_kv_qdo(const BwdArgsSm90<Traits>& args,
                                             typename Traits::SharedStorage& smem,
                                             const SmemTensors& tiles, const Steps& steps,
-                                            int n_block, int kv_head, int batch, int base,
-                                            int kv_loads) {
+                                            int n_block, int kv_head, int batch) {
   const auto& [sQ, sdO, sK, sV] = tiles;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -55,6 +49,20 @@ __device__ __forceinline__ void load_kv_qdo(const BwdArgsSm90<Traits>& args,
 
   Tensor mQ = args.tma_q.get_tma_tensor(Traits::shape_q(params));
   Tensor mdO = args.tma_dout.get_tma_tensor(Traits::shape_q(params));
+  Tensor mK = args.tma_k.get_tma_tensor(Traits::shape_k(params));
+  Tensor mV = args.tma_v.get_tma_tensor(Traits::shape_k(params));
+  auto kv_tile = [&](auto& m) {
+    return local_tile(m(_, _, kv_head, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                      make_coord(n_block, 0));
+  };
+  auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                    group_modes<0, 2>(kv_tile(mK)));
+  auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                    group_modes<0, 2>(kv_tile(mV)));
+  FullBarrier::arrive_and_expect_tx(&smem.kv_full, 2 * Traits::kKBytes);
+  copy(args.tma_k.with(smem.kv_full), tKgK, tKsK);
+  copy(args.tma_v.with(smem.kv_full), tVgV, tVsV);
+
   for (int step = 0; step < steps.num_steps; ++step) {
     int head, m_block;
     steps.unit(step, head, m_block);
@@ -66,38 +74,22 @@ __device__ __forceinline__ void load_kv_qdo(const BwdArgsSm90<Traits>& args,
                                       group_modes<0, 2>(sQ), group_modes<0, 2>(q_tile(mQ)));
     auto [tdOgdO, tdOsdO] = tma_partition(args.tma_dout, Int<0>{}, Layout<_1>{},
                                           group_modes<0, 2>(sdO), group_modes<0, 2>(q_tile(mdO)));
-    const RingSlot<kStages> slot(base + step);
+    const RingSlot<kStages> slot(step);
     producer_acquire(&smem.qdo_empty[slot.stage], &smem.qdo_full[slot.stage], slot.phase,
                      2 * Traits::kQBytes);
     copy(args.tma_q.with(smem.qdo_full[slot.stage]), tQgQ, tQsQ(_, slot.stage));
     copy(args.tma_dout.with(smem.qdo_full[slot.stage]), tdOgdO, tdOsdO(_, slot.stage));
-    if (step == 0) {
-      Tensor mK = args.tma_k.get_tma_tensor(Traits::shape_k(params));
-      Tensor mV = args.tma_v.get_tma_tensor(Traits::shape_k(params));
-      auto kv_tile = [&](auto& m) {
-        return local_tile(m(_, _, kv_head, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                          make_coord(n_block, 0));
-      };
-      auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{},
-                                        group_modes<0, 2>(sK), group_modes<0, 2>(kv_tile(mK)));
-      auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{},
-                                        group_modes<0, 2>(sV), group_modes<0, 2>(kv_tile(mV)));
-      const RingSlot<1> kv_slot(kv_loads);
-      producer_acquire(&smem.kv_empty, &smem.kv_full, kv_slot.phase, 2 * Traits::kKBytes);
-      copy(args.tma_k.with(smem.kv_full), tKgK, tKsK);
-      copy(args.tma_v.with(smem.kv_full), tVgV, tVsV);
-    }
   }
 }
 
-// The consumers (warpgroups 1 ..): every step of one unit (the kernel's
+// The consumers (warpgroups 1 ..): every step of the CTA (the kernel's
 // header comment gives the products and who computes which part), then the
-// key block's dK and dV. base, kv_loads: as for load_kv_qdo.
+// key block's dK and dV.
 template <typename Traits, typename Mask, ScoreKind kScore, typename Steps, typename SmemTensors>
 __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
                                         typename Traits::SharedStorage& smem,
                                         const SmemTensors& tiles, const Steps& steps, int n_block,
-                                        int kv_head, int batch, int base, int kv_loads) {
+                                        int kv_head, int batch) {
   const auto& [sQ, sdO, sK, sV] = tiles;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -234,7 +226,7 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
   static_assert(Traits::kConsumerWarpgroups <= 2 && kBlockM >= kDqSemaphoreRows);
 
   // lse (log2 domain) and delta of a step's query rows go through shared
-  // memory, buffer (base + step) % 2 (with kOwnKeys a copy per consumer): the threads
+  // memory, buffer step % 2 (with kOwnKeys a copy per consumer): the threads
   // that share the dS tile load values j = 0 .. block_m - 1 of lse and
   // block_m .. 2 block_m - 1 of delta, one row each (thread ds_tidx the
   // values ds_tidx + i * kDsThreads), a step ahead. The loads are issued
@@ -258,7 +250,7 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
     return lse == -INFINITY ? INFINITY : lse * kLog2e;
   };
   auto store_row_stat = [&](int step, int j, float value) {
-    (j < kBlockM ? smem.lse_log2 : smem.delta)[own][(base + step) % 2][j % kBlockM] = value;
+    (j < kBlockM ? smem.lse_log2 : smem.delta)[own][step % 2][j % kBlockM] = value;
   };
   if (steps.num_steps > 0) {
     CUTE_UNROLL
@@ -267,18 +259,16 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
     }
     cutlass::arch::NamedBarrier::sync(Traits::kDsThreads, ds_barrier);
     if (kOwnKeys && consumer == 1) cutlass::arch::NamedBarrier::arrive(256, kTurnBarrier);
-    FullBarrier::wait(&smem.kv_full, RingSlot<1>(kv_loads).phase);
+    FullBarrier::wait(&smem.kv_full, 0);
   }
   for (int step = 0; step < steps.num_steps; ++step) {
     int head, m_block;
     steps.unit(step, head, m_block);
     const int row0 = m_block * kBlockM;
-    // The rings run on across the CTA's units.
-    const int ring_step = base + step;
-    const RingSlot<kStages> slot(ring_step);
+    const RingSlot<kStages> slot(step);
     const int stage = slot.stage;
-    const int buffer = ring_step % 2;  // of lse and delta (and of P^T with kPdSShared)
-    const int ds_buffer = ring_step % Traits::kDsBuffers;
+    const int buffer = step % 2;  // of lse and delta (and of P^T with kPdSShared)
+    const int ds_buffer = step % Traits::kDsBuffers;
 
     // S^T = K Q^T and dP^T = V dO^T   (block_n x block_m)
     consumer_wait(&smem.qdo_full[stage], slot.phase);
@@ -488,13 +478,11 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
     // dS buffer (unless kOwnKeys), which is written again two steps later,
     // past its next barrier.
     consumer_release(&smem.qdo_empty[stage], warp_leader);
-    // After the unit's last products K and V are free for the next unit's.
-    if (step + 1 == steps.num_steps) consumer_release(&smem.kv_empty, warp_leader);
 
     // dQ_accum += dS K (scaled in the convert kernel): registers -> this
     // consumer's staging buffer -> its writer's TMA reduce-add
     // (epilogue_bwd_sm90.h).
-    stage_dq<Traits>(smem, acc_dq, tdQsdQ, consumer, ring_step, warp_leader);
+    stage_dq<Traits>(smem, acc_dq, tdQsdQ, consumer, step, warp_leader);
   }
 
   // dK and dV of the key block, written once, or added to the other shares'.

@@ -17,8 +17,6 @@
 #include <cute/config.hpp>
 #include <cute/int_tuple.hpp>
 
-#include <cutlass/arch/barrier.h>
-
 #include "cuda/sm90/band_units_sm90.h"
 #include "jflash/params.h"
 
@@ -317,80 +315,22 @@ class BwdSchedulerSm90 {
     return plan;
   }
 
-  // Units of the launch (params.head_splits set); -1 where the unit indices
-  // (plus one fetch past the end per CTA) would overflow int32.
-  CUTE_HOST_DEVICE static int64_t num_units(const BwdParams& params) {
+  // CTAs of the launch (params.head_splits set), -1 past the int32 grid.
+  static int64_t grid_size(const BwdParams& params) {
     const int64_t units = int64_t{cute::ceil_div(params.seqlen_k, kBlockN)} *
                           params.head_splits * params.num_heads_kv * params.batch;
-    return units > INT32_MAX / 2 ? -1 : units;
-  }
-  // Persistent CTAs: one per SM (the kernels' shared memory allows no more),
-  // or one per unit where there are fewer.
-  static int64_t grid_size(const BwdParams& params, int sm_count) {
-    const int64_t units = num_units(params);
-    return units < 0 ? -1 : std::min<int64_t>(units, sm_count);
+    return units > INT32_MAX ? -1 : units;
   }
 
   // -------------------------------------------------------------- device
-  // CTA c runs unit c, then the units it takes from params.unit_counter one
-  // at a time (gridDim.x + the counter's value, which the preprocess zeroed),
-  // so units still start in launch order, each on the CTA that frees first,
-  // as the hardware would start one CTA per unit; but a CTA's next unit loads
-  // while it finishes the one before (UnitHandoverSm90 below), and the
-  // barriers are set up once.
   struct Unit {
     int n_block, split, kv_head, batch;
   };
-  __device__ __forceinline__ static Unit unit_at(const BwdParams& params, int index) {
+  __device__ __forceinline__ static Unit unit(const BwdParams& params) {
     const BwdLaunchOrder order{cute::ceil_div(params.seqlen_k, kBlockN), params.head_splits,
                                params.num_heads_kv * params.batch, params.launch_group};
-    const BwdLaunchOrder::Unit u = order.at(index);
+    const BwdLaunchOrder::Unit u = order.at(blockIdx.x);
     return {u.n_block, u.split, u.row % params.num_heads_kv, u.row / params.num_heads_kv};
-  }
-  // The unit after this CTA's current ones (the loader's fetch, one thread).
-  __device__ __forceinline__ static int fetch_unit(const BwdParams& params) {
-    return static_cast<int>(gridDim.x) + atomicAdd(params.unit_counter, 1);
-  }
-};
-
-// The hand-over of a backward CTA's next unit from its loader warp, which
-// fetches it (BwdSchedulerSm90::fetch_unit), to the warps of its other roles
-// (the dQ writers and the consumers): one int of shared memory between two
-// named barriers, kFull (the index is there) and kEmpty (every reader has
-// taken it). Named barriers rather than an mbarrier, because
-// compute-sanitizer's racecheck takes only those as ordering plain
-// shared-memory stores and loads. kThreads: the threads of the warps that
-// take part (the loader warp's and the readers', whole warps).
-template <int kThreads>
-struct UnitHandoverSm90 {
-  // Past the consumers' named barriers (mainloop_bwd_sm90.h: 1 to 5), in
-  // CUTLASS's numbering.
-  static constexpr uint32_t kFull = 6;
-  static constexpr uint32_t kEmpty = 7;
-  static_assert(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount + kEmpty <
-                cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
-
-  // A reader warp (all lanes, converged), before its first take(): the slot
-  // is free for the first hand-over.
-  __device__ __forceinline__ static void first_take() {
-    cutlass::arch::NamedBarrier::arrive(kThreads, kEmpty);
-  }
-  // The loader warp (all lanes, converged): waits until every reader has
-  // taken the last hand-over, then hands `next` over.
-  __device__ __forceinline__ static void give(int* slot, int next, bool leader) {
-    cutlass::arch::NamedBarrier::sync(kThreads, kEmpty);
-    if (leader) *slot = next;
-    __syncwarp();
-    cutlass::arch::NamedBarrier::arrive(kThreads, kFull);
-  }
-  // A reader warp (all lanes, converged): the next unit's index; a reader
-  // that gets the end (>= num_units) does not release the slot, as no
-  // hand-over follows.
-  __device__ __forceinline__ static int take(const int* slot, int num_units) {
-    cutlass::arch::NamedBarrier::sync(kThreads, kFull);
-    const int next = *slot;
-    if (next < num_units) cutlass::arch::NamedBarrier::arrive(kThreads, kEmpty);
-    return next;
   }
 };
 

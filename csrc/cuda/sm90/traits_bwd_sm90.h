@@ -81,14 +81,9 @@ struct BwdTraitsSm90 {
                 "64 keys per consumer, or 64 shared by both");
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kNThreads = 128 + kConsumerThreads;
-  // setmaxnreg moves registers between warpgroups within what the launch
-  // allocated: 168 per thread (64K / 384 threads, in steps of 8), so 24 * 128
-  // + 240 * 256 is all there is. (A consumer's increase past that waits for
-  // ever.)
+  // setmaxnreg: 24 * 128 + 240 * 256 <= 64K registers of the SM.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
-  static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <=
-                65536 / kNThreads / 8 * 8 * kNThreads);
   // The threads that share a dS tile (and a barrier before the dQ product):
   // one consumer with kDqOwnKeys, else all of them. They load a step's lse
   // and delta together, kRowStatLoads values each; with kDqOwnKeys each
@@ -293,10 +288,7 @@ struct BwdTraitsSm90 {
     // (the consumer section of the kernel says who writes them when).
     alignas(16) float lse_log2[kRowStatCopies][2][kBlockM];
     alignas(16) float delta[kRowStatCopies][2][kBlockM];
-    // K and V of the current unit: landed (the loader's TMA) and read for the
-    // last time (one arrival per consumer warp after its last step).
     alignas(8) uint64_t kv_full;
-    uint64_t kv_empty;
     uint64_t qdo_full[kStages];
     uint64_t qdo_empty[kStages];
     // Per consumer and dQ staging buffer: staged (its four warps arrive) and
@@ -304,7 +296,6 @@ struct BwdTraitsSm90 {
     uint64_t dq_full[kConsumerWarpgroups][kDqBuffers];
     uint64_t dq_empty[kConsumerWarpgroups][kDqBuffers];
     std::conditional_t<kPdSShared, PBuffers, NoPBuffers> p;
-    int next_unit;  // the CTA's next unit (UnitHandoverSm90)
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024);

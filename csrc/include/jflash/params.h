@@ -12,7 +12,6 @@
 //                      scratch, deterministic mode only)
 //   dkv_accum        : [batch, num_heads_kv, 2, seqlen_k, head_dim] (float32
 //                      scratch, GQA only: dK then dV of each kv head)
-//   unit_counter     : [1] (int32 scratch of the CUDA backward)
 //
 // Strides are in elements (not bytes) and int64 so that batch * seq * heads *
 // head_dim never overflows; the last (head_dim) stride is always 1.
@@ -118,11 +117,6 @@ struct BwdParams : FwdParams {
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-
-  // int32 scratch of one counter (null on CPU): the Hopper backward's CTAs
-  // take their units after the first from it (sm90/tile_scheduler_sm90.h);
-  // the preprocess zeroes it. Last in the struct, so that no other field moved.
-  int* unit_counter;
 };
 
 // Length of dq_semaphore in deterministic mode (the handler checks it, the
