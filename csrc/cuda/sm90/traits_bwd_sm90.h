@@ -81,9 +81,14 @@ struct BwdTraitsSm90 {
                 "64 keys per consumer, or 64 shared by both");
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kNThreads = 128 + kConsumerThreads;
-  // setmaxnreg: 24 * 128 + 240 * 256 <= 64K registers of the SM.
+  // setmaxnreg moves registers between warpgroups within what the launch
+  // allocated, 168 per thread (64K / 384 threads, in steps of 8): 24 * 128 +
+  // 240 * 256 is all of it. (A consumer's increase past that waits for ever:
+  // a producer of 32 hung the kernel.)
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <=
+                65536 / kNThreads / 8 * 8 * kNThreads);
   // The threads that share a dS tile (and a barrier before the dQ product):
   // one consumer with kDqOwnKeys, else all of them. They load a step's lse
   // and delta together, kRowStatLoads values each; with kDqOwnKeys each

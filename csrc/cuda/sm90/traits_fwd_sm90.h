@@ -35,9 +35,13 @@ struct FwdTraitsSm90 {
   static constexpr int kNThreads = 128 + kConsumerThreads;
   static constexpr bool kPingPong = kPingPong_ && kConsumerWarpgroups == 2;
   // setmaxnreg: the producer keeps 24 registers per thread, the consumers get
-  // 240 (24 * 128 + 240 * 256 <= 64K registers of the SM).
+  // 240 (160 with one consumer). It only moves registers within what the
+  // launch allocated (64K / threads per thread, in steps of 8), which the
+  // assert holds; an increase past it would wait for ever.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <=
+                65536 / kNThreads / 8 * 8 * kNThreads);
 
   // Consumer warpgroups tile the M mode: warpgroup w owns rows [64 w, 64 w + 64).
   using WarpgroupLayout = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
