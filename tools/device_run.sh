@@ -2,6 +2,7 @@
 # One call on a GPU machine, from the repository root: build, test, sanitize,
 # time. Logs go to $OUT.
 #   JFLASH_CUDA_SUBSET=... STEPS="build smoke tests suite sanitize decode bench" bash tools/device_run.sh
+# (every step: the case list below)
 # Optional variables: OUT, WORK_DIR, SITE_DIR, WHEEL_DIR (tools/env.sh), and
 #   STEPS              the steps below, in order (default: build tests sanitize bench)
 #   JFLASH_CUDA_SUBSET what the build step compiles (default: ci)
@@ -115,6 +116,17 @@ for step in $STEPS; do
         --impls jflash --iterations 1 --repeats 1 --causal ${NCU_CAUSAL:-no} > "$OUT/ncu_bwd.log" 2>&1
       echo "ncu rc=$?"; grep -E "Duration|Issue Slots|Eligible|Tensor|pcsamp|Bank|Shared" "$OUT/ncu_bwd.log" \
         | grep -v " 0$" | head -60 ;;
+    ncu_bwd_source)  # warp-state samples per SASS instruction of the backward's main kernel,
+      # one launch (head dim 128, seq 4k; NCU_CAUSAL=yes for the band kernel)
+      timeout 180 ncu --clock-control none --kernel-name regex:'flash_bwd_(sm90_)?kernel' --launch-count 1 \
+        --section WarpStateStats --section SourceCounters --import-source no -o "$OUT/ncu_bwd_source" \
+        python3 -P tools/quick_bench.py --head-dims 128 --seqs 4096 --modes fwdbwd \
+        --impls jflash --iterations 1 --repeats 1 --causal ${NCU_CAUSAL:-no} > "$OUT/ncu_bwd_source.log" 2>&1
+      echo "ncu rc=$?"
+      ncu --import "$OUT/ncu_bwd_source.ncu-rep" --page source --csv --print-source sass \
+        > "$OUT/ncu_bwd_source.csv" 2>&1
+      python3 tools/ncu_source_summary.py "$OUT/ncu_bwd_source.csv" --top 15
+      gzip -f "$OUT/ncu_bwd_source.csv"; rm -f "$OUT/ncu_bwd_source.ncu-rep" ;;
     bench)
       timeout 240 python3 -P tools/quick_bench.py $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" ;;
     grid)  # jflash beside cuDNN, recorded with the device, jax version and commit

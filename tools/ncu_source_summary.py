@@ -2,8 +2,9 @@
 
 Reads the CSV of `ncu --import REP --page source --csv --print-source sass`
 (a report taken with `--section SourceCounters`; tools/device_run.sh
-step `ncu_source`) and prints, for the code before the producer's
-`USETMAXREG.DEALLOC` (the consumer warps of the Hopper forward), the warp-state
+steps `ncu_source` and `ncu_bwd_source`) and prints, for the code before the
+producer's `USETMAXREG.DEALLOC` (the consumer warps of the Hopper forward and
+backward, which both place the producer's code last), the warp-state
 samples of each opcode converted to cycles per warp and step, and the
 instructions with the most samples with their top stall reasons.
 
