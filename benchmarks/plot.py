@@ -26,7 +26,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display here
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"jflash": "tab:red", "cudnn": "tab:blue", "xla": "tab:gray"}
+COLORS = {"jflash": "tab:red", "jflash_det": "tab:orange", "cudnn": "tab:blue", "xla": "tab:gray"}
 STYLES = {"fwd": "-", "bwd": ":", "fwdbwd": "--"}
 MARKERS = {"fwd": "o", "bwd": "^", "fwdbwd": "s"}
 MODE_LABEL = {"fwd": "fwd", "bwd": "bwd", "fwdbwd": "fwd+bwd"}
