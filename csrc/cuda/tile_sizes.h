@@ -212,6 +212,17 @@ struct Sm90FwdTile {
   bool stale_max = false;
 };
 
+// setmaxnreg, by which the Hopper kernels' producer warpgroup gives registers
+// away and the consumers take them, only moves registers within what the
+// launch allocated: 64K / threads per thread (at most 255), in steps of 8.
+// A consumer's increase past that waits for ever (a 32-register producer
+// beside two 240-register consumers hung the backward). Both traits assert it.
+constexpr bool sm90_register_split_fits(int producer, int consumer, int consumer_threads) {
+  const int threads = 128 + consumer_threads;
+  const int per_thread = (65536 / threads > 255 ? 255 : 65536 / threads) / 8 * 8;
+  return producer * 128 + consumer * consumer_threads <= per_thread * threads;
+}
+
 // Ring depths: with stale_max a K tile stays until the softmax of its step
 // has accepted its scores (they may be computed again), about a step longer
 // than its product needs. A third K buffer, to load a step further ahead,

@@ -81,14 +81,12 @@ struct BwdTraitsSm90 {
                 "64 keys per consumer, or 64 shared by both");
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kNThreads = 128 + kConsumerThreads;
-  // setmaxnreg moves registers between warpgroups within what the launch
-  // allocated, 168 per thread (64K / 384 threads, in steps of 8): 24 * 128 +
-  // 240 * 256 is all of it. (A consumer's increase past that waits for ever:
-  // a producer of 32 hung the kernel.)
+  // setmaxnreg: 24 * 128 + 240 * 256 is all the launch allocates at 384
+  // threads (168 per thread; tile_sizes.h, sm90_register_split_fits).
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
-  static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <=
-                65536 / kNThreads / 8 * 8 * kNThreads);
+  static_assert(
+      sm90_register_split_fits(kProducerRegisters, kConsumerRegisters, kConsumerThreads));
   // The threads that share a dS tile (and a barrier before the dQ product):
   // one consumer with kDqOwnKeys, else all of them. They load a step's lse
   // and delta together, kRowStatLoads values each; with kDqOwnKeys each

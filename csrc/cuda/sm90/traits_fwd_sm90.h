@@ -35,13 +35,12 @@ struct FwdTraitsSm90 {
   static constexpr int kNThreads = 128 + kConsumerThreads;
   static constexpr bool kPingPong = kPingPong_ && kConsumerWarpgroups == 2;
   // setmaxnreg: the producer keeps 24 registers per thread, the consumers get
-  // 240 (160 with one consumer). It only moves registers within what the
-  // launch allocated (64K / threads per thread, in steps of 8), which the
-  // assert holds; an increase past it would wait for ever.
+  // 240 (160 with three consumers), within what the launch allocates
+  // (tile_sizes.h, sm90_register_split_fits).
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
-  static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <=
-                65536 / kNThreads / 8 * 8 * kNThreads);
+  static_assert(
+      sm90_register_split_fits(kProducerRegisters, kConsumerRegisters, kConsumerThreads));
 
   // Consumer warpgroups tile the M mode: warpgroup w owns rows [64 w, 64 w + 64).
   using WarpgroupLayout = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
