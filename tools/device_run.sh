@@ -2,7 +2,6 @@
 # One call on a GPU machine, from the repository root: build, test, sanitize,
 # time. Logs go to $OUT.
 #   JFLASH_CUDA_SUBSET=... STEPS="build smoke tests suite sanitize decode bench" bash tools/device_run.sh
-# (every step: the case list below)
 # Optional variables: OUT, WORK_DIR, SITE_DIR, WHEEL_DIR (tools/env.sh), and
 #   STEPS              the steps below, in order (default: build tests sanitize bench)
 #   JFLASH_CUDA_SUBSET what the build step compiles (default: ci)
@@ -32,6 +31,23 @@ if [ -n "${WHEEL_DIR:-}" ]; then
     --target "$SITE_DIR" "$WHEEL_DIR"/*.whl || exit 1
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/device.txt"
+# Warp-state samples per SASS instruction of one launch of the kernels matching
+# a regex (head dim 128, seq 4k, NCU_CAUSAL), summarized per opcode and
+# instruction (ncu_source_summary.py); name: the prefix of the files in $OUT;
+# mode: quick_bench.py's --modes.
+ncu_source_step() {
+  local name=$1 kernel=$2 mode=$3
+  timeout 180 ncu --clock-control none --kernel-name regex:"$kernel" --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section SourceCounters \
+    --import-source no -o "$OUT/$name" \
+    python3 -P tools/quick_bench.py --head-dims 128 --seqs 4096 --modes "$mode" \
+    --impls jflash --iterations 1 --repeats 1 --causal ${NCU_CAUSAL:-no} > "$OUT/$name.log" 2>&1
+  echo "ncu rc=$?"
+  ncu --import "$OUT/$name.ncu-rep" --page details > "$OUT/${name}_details.txt" 2>&1
+  ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/$name.csv" 2>&1
+  grep -E "Duration|Elapsed Cycles|SM Frequency" "$OUT/${name}_details.txt"
+  python3 tools/ncu_source_summary.py "$OUT/$name.csv" --top 15
+}
 for step in $STEPS; do
   start=$(date +%s)
   case $step in
@@ -96,16 +112,7 @@ for step in $STEPS; do
       echo "ncu rc=$?"; grep -E "Duration|Issue Slots|Eligible|Tensor|pcsamp" "$OUT/ncu.log" \
         | grep -v " 0$" | head -40 ;;
     ncu_source)  # warp-state samples per SASS instruction, one launch (head dim 128, seq 4k)
-      timeout 180 ncu --clock-control none --kernel-name regex:flash_fwd_sm90 --launch-count 1 \
-        --section SpeedOfLight --section WarpStateStats --section SourceCounters \
-        --import-source no -o "$OUT/ncu_source" \
-        python3 -P tools/quick_bench.py --head-dims 128 --seqs 4096 --modes fwd \
-        --impls jflash --iterations 1 --repeats 1 --causal ${NCU_CAUSAL:-no} > "$OUT/ncu_source.log" 2>&1
-      echo "ncu rc=$?"
-      ncu --import "$OUT/ncu_source.ncu-rep" --page details > "$OUT/ncu_source_details.txt" 2>&1
-      ncu --import "$OUT/ncu_source.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>&1
-      grep -E "Duration|Elapsed Cycles|SM Frequency" "$OUT/ncu_source_details.txt"
-      python3 tools/ncu_source_summary.py "$OUT/ncu_source.csv" --top 15 ;;
+      ncu_source_step ncu_source flash_fwd_sm90 fwd ;;
     ncu_bwd)  # hardware counters for one launch of the backward's main kernel (Hopper or sm80,
       # as the handler picks; head dim 128, seq 16k)
       timeout 240 ncu --clock-control none --kernel-name regex:'flash_bwd_(sm90_)?kernel' --launch-count 1 \
@@ -116,17 +123,8 @@ for step in $STEPS; do
         --impls jflash --iterations 1 --repeats 1 --causal ${NCU_CAUSAL:-no} > "$OUT/ncu_bwd.log" 2>&1
       echo "ncu rc=$?"; grep -E "Duration|Issue Slots|Eligible|Tensor|pcsamp|Bank|Shared" "$OUT/ncu_bwd.log" \
         | grep -v " 0$" | head -60 ;;
-    ncu_bwd_source)  # warp-state samples per SASS instruction of the backward's main kernel,
-      # one launch (head dim 128, seq 4k; NCU_CAUSAL=yes for the band kernel)
-      timeout 180 ncu --clock-control none --kernel-name regex:'flash_bwd_(sm90_)?kernel' --launch-count 1 \
-        --section WarpStateStats --section SourceCounters --import-source no -o "$OUT/ncu_bwd_source" \
-        python3 -P tools/quick_bench.py --head-dims 128 --seqs 4096 --modes fwdbwd \
-        --impls jflash --iterations 1 --repeats 1 --causal ${NCU_CAUSAL:-no} > "$OUT/ncu_bwd_source.log" 2>&1
-      echo "ncu rc=$?"
-      ncu --import "$OUT/ncu_bwd_source.ncu-rep" --page source --csv --print-source sass \
-        > "$OUT/ncu_bwd_source.csv" 2>&1
-      python3 tools/ncu_source_summary.py "$OUT/ncu_bwd_source.csv" --top 15
-      gzip -f "$OUT/ncu_bwd_source.csv"; rm -f "$OUT/ncu_bwd_source.ncu-rep" ;;
+    ncu_bwd_source)  # the same for the backward's main kernel (NCU_CAUSAL=yes: the band kernel)
+      ncu_source_step ncu_bwd_source 'flash_bwd_(sm90_)?kernel' fwdbwd ;;
     bench)
       timeout 240 python3 -P tools/quick_bench.py $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" ;;
     grid)  # jflash beside cuDNN, recorded with the device, jax version and commit
