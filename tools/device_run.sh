@@ -32,7 +32,7 @@ if [ -n "${WHEEL_DIR:-}" ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/device.txt"
 # Warp-state samples per SASS instruction of one launch of the kernels matching
-# a regex (head dim 128, seq 4k, NCU_CAUSAL), summarized per opcode and
+# a regex (head dim NCU_HEAD_DIM, default 128; seq 4k; NCU_CAUSAL), summarized per opcode and
 # instruction (ncu_source_summary.py); name: the prefix of the files in $OUT;
 # mode: quick_bench.py's --modes.
 ncu_source_step() {
@@ -40,7 +40,7 @@ ncu_source_step() {
   timeout 180 ncu --clock-control none --kernel-name regex:"$kernel" --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section SourceCounters \
     --import-source no -o "$OUT/$name" \
-    python3 -P tools/quick_bench.py --head-dims 128 --seqs 4096 --modes "$mode" \
+    python3 -P tools/quick_bench.py --head-dims ${NCU_HEAD_DIM:-128} --seqs 4096 --modes "$mode" \
     --impls jflash --iterations 1 --repeats 1 --causal ${NCU_CAUSAL:-no} > "$OUT/$name.log" 2>&1
   echo "ncu rc=$?"
   ncu --import "$OUT/$name.ncu-rep" --page details > "$OUT/${name}_details.txt" 2>&1
@@ -111,7 +111,7 @@ for step in $STEPS; do
         --impls jflash --iterations 1 --repeats 1 --causal ${NCU_CAUSAL:-no} > "$OUT/ncu.log" 2>&1
       echo "ncu rc=$?"; grep -E "Duration|Issue Slots|Eligible|Tensor|pcsamp" "$OUT/ncu.log" \
         | grep -v " 0$" | head -40 ;;
-    ncu_source)  # warp-state samples per SASS instruction, one launch (head dim 128, seq 4k)
+    ncu_source)  # warp-state samples per SASS instruction, one launch (seq 4k)
       ncu_source_step ncu_source flash_fwd_sm90 fwd ;;
     ncu_bwd)  # hardware counters for one launch of the backward's main kernel (Hopper or sm80,
       # as the handler picks; head dim 128, seq 16k)
