@@ -140,22 +140,86 @@ __device__ __forceinline__ void stage_dq(typename Traits::SharedStorage& smem, c
   if (warp_leader) EmptyBarrier::arrive(&smem.dq_full[consumer][dq_slot.stage]);
 }
 
-// dK and dV of the key block from key0, written once, or added to the other
-// shares' (params.head_splits > 1: in float32, converted after the kernel).
-template <typename Traits, typename AccDK, typename AccDV, typename ThrMmadKV>
-__device__ __forceinline__ void write_dk_dv(AccDK& acc_dk, AccDV& acc_dv, const ThrMmadKV& thr_dkv,
-                                            int key0, int batch, int kv_head,
+// dK and dV of the key block, written once through shared memory: each
+// consumer's accumulators (dK scaled) go by stmatrix into the K and V
+// buffers, which nothing reads once both consumers' last products are done
+// (a named barrier joins them; the K and V loads landed before the first
+// step, or never came where there are no steps), and the first dQ writer
+// thread stores both tiles with TMA (store_dk_dv_tma), which clips rows
+// past seqlen_k and columns past the call's head dim. Against each
+// thread's direct 4-byte stores of its accumulator pairs (two per 32-byte
+// sector, an address and a bounds branch per pair), the consumers are done
+// after a few shared stores, and the CTA, alone on its SM, ends sooner.
+// (The TMA store is the writer's so that the consumers never hold a
+// descriptor's address, which ptxas kept live across the main loop.)
+// kBarrier: a named barrier of the consumer threads, free at this point.
+template <typename Traits, uint32_t kBarrier, typename AccDK, typename AccDV>
+__device__ __forceinline__ void stage_dk_dv(typename Traits::SharedStorage& smem, AccDK& acc_dk,
+                                            const AccDV& acc_dv, int tidx,
                                             const BwdParams& params) {
   using Element = typename Traits::Element;
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutK{});
+  typename Traits::SmemCopydKV smem_copy;
+  auto thr_copy = smem_copy.get_thread_slice(tidx);
+  cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBarrier);  // K, V read out
+  // One tile at a time: dV's 16-bit copy never lives beside dK's.
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
+  copy(smem_copy, thr_copy.retile_S(convert_fragment<Element>(acc_dk)), thr_copy.partition_D(sK));
+  copy(smem_copy, thr_copy.retile_S(convert_fragment<Element>(acc_dv)), thr_copy.partition_D(sV));
+  tma_store_fence();  // this thread's shared stores, visible to TMA
+  __syncwarp();
+  if (tidx % 32 == 0) EmptyBarrier::arrive(&smem.dkv_full);
+}
+
+// The TMA stores of the staged dK and dV tiles (one thread: the first dQ
+// writer, after its last reduce-add).
+template <typename Traits>
+__device__ __forceinline__ void store_dk_dv_tma(const BwdArgsSm90<Traits>& args,
+                                                typename Traits::SharedStorage& smem,
+                                                int n_block, int kv_head, int batch) {
+  const BwdParams& params = args.params;
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutK{});
+  auto tile = [&](const auto& tma) {
+    Tensor m = tma.get_tma_tensor(Traits::shape_k(params));
+    return local_tile(m(_, _, kv_head, batch),
+                      Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{},
+                      make_coord(n_block, 0));
+  };
+  auto [tdKgdK, tdKsdK] = tma_partition(args.tma_dk, Int<0>{}, Layout<_1>{},
+                                        group_modes<0, 2>(sK), group_modes<0, 2>(tile(args.tma_dk)));
+  auto [tdVgdV, tdVsdV] = tma_partition(args.tma_dv, Int<0>{}, Layout<_1>{},
+                                        group_modes<0, 2>(sV), group_modes<0, 2>(tile(args.tma_dv)));
+  EmptyBarrier::wait(&smem.dkv_full, 0);
+  copy(args.tma_dk, tdKsdK, tdKgdK);
+  copy(args.tma_dv, tdVsdV, tdVgdV);
+  tma_store_arrive();
+  tma_store_wait<0>();  // read out of shared memory before the CTA ends
+}
+
+// dK and dV of the key block from key0, written once (stage_dk_dv, then the
+// writer's store_dk_dv_tma; with Traits::kDkvThroughSmem false, each thread's
+// stores), or added to the other shares' (params.head_splits > 1: in
+// float32, converted after the kernel).
+template <typename Traits, uint32_t kBarrier, typename AccDK, typename AccDV, typename ThrMmadKV>
+__device__ __forceinline__ void write_dk_dv(typename Traits::SharedStorage& smem, AccDK& acc_dk,
+                                            AccDV& acc_dv, const ThrMmadKV& thr_dkv, int tidx,
+                                            int key0, int batch, int kv_head,
+                                            const BwdParams& params) {
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
-  const auto dkv_coords =
-      thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  auto dkv_coords = [&] {
+    return thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  };
   if (params.head_splits > 1) {
-    add_dk_dv(acc_dk, acc_dv, dkv_coords, key0, batch, kv_head, params);
+    add_dk_dv(acc_dk, acc_dv, dkv_coords(), key0, batch, kv_head, params);
+  } else if constexpr (Traits::kDkvThroughSmem) {
+    stage_dk_dv<Traits, kBarrier>(smem, acc_dk, acc_dv, tidx, params);
   } else {
-    store_dk_dv<Element>(acc_dk, acc_dv, dkv_coords, key0, batch, kv_head, params,
-                         params.head_dim);
+    store_dk_dv<typename Traits::Element>(acc_dk, acc_dv, dkv_coords(), key0, batch, kv_head,
+                                          params, params.head_dim);
   }
 }
 

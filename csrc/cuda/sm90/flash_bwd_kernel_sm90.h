@@ -31,8 +31,10 @@
 //     each step's Q and dO tiles into a ring of q_stages buffers
 //     (pipeline_sm90.h), each guarded by a "full" mbarrier (TMA bytes landed)
 //     and an "empty" one (every consumer warp is done reading it); in warp
-//     1 + w one thread writes consumer w's dQ (write_dq). It gives most of its
-//     registers away (setmaxnreg).
+//     1 + w one thread writes consumer w's dQ (write_dq), and warp 1's then
+//     stores the dK and dV tiles that the consumers staged in the K and V
+//     buffers (store_dk_dv_tma; Traits::kDkvThroughSmem). It gives most of
+//     its registers away (setmaxnreg).
 //   warpgroups 1..: the consumers, 64 keys each (S^T, dP^T, dV, dK rows).
 //     The dQ product needs all of dS: each consumer writes its dS^T rows into
 //     shared memory, a named barrier joins them, and consumer w computes dQ's
@@ -124,6 +126,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         EmptyBarrier::init(&smem.dq_empty[c][b], 1);  // its writer
       }
     }
+    EmptyBarrier::init(&smem.dkv_full, Traits::kConsumerThreads / 32);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -138,14 +141,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
     const int warp = threadIdx.x / 32;
-    if (warp > Traits::kConsumerWarpgroups || !cute::elect_one_sync() || steps.num_steps == 0) {
-      return;
-    }
+    if (warp > Traits::kConsumerWarpgroups || !cute::elect_one_sync()) return;
     if (warp > 0) {
       write_dq(args, smem, steps, warp - 1, n_block, batch);
+      // dK and dV, also of a key block without steps (zeros).
+      if (Traits::kDkvThroughSmem && warp == 1 && params.head_splits == 1) {
+        store_dk_dv_tma(args, smem, n_block, kv_head, batch);
+      }
       return;
     }
-    load_kv_qdo(args, smem, tiles, steps, n_block, kv_head, batch);
+    if (steps.num_steps > 0) load_kv_qdo(args, smem, tiles, steps, n_block, kv_head, batch);
     return;
   }
 
@@ -154,14 +159,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   consume<Traits, Mask, kScore>(args, smem, tiles, steps, n_block, kv_head, batch);
 }
 
-// TMA reads the four input tiles: 16-byte aligned bases and strides, and
-// non-empty sequences (seqlen_q == 0 still needs dK = dV = 0: the sm80
-// backward writes them).
+// TMA reads the four input tiles and writes dK and dV: 16-byte aligned
+// bases and strides, and non-empty sequences (seqlen_q == 0 still needs dK =
+// dV = 0: the sm80 backward writes them).
 inline bool tma_compatible_bwd(const BwdParams& p) {
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   auto stride_ok = [](int64_t stride) { return (stride * 2) % 16 == 0; };
-  return tma_compatible(p) && aligned(p.dout) && stride_ok(p.dout_row_stride) &&
-         stride_ok(p.dout_head_stride) && stride_ok(p.dout_batch_stride);
+  auto tensor_ok = [&](const void* ptr, int64_t row, int64_t head, int64_t batch) {
+    return aligned(ptr) && stride_ok(row) && stride_ok(head) && stride_ok(batch);
+  };
+  return tma_compatible(p) &&
+         tensor_ok(p.dout, p.dout_row_stride, p.dout_head_stride, p.dout_batch_stride) &&
+         tensor_ok(p.dk, p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride) &&
+         tensor_ok(p.dv, p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride);
 }
 
 // One launch of the kernel of Traits (the default tile, or the kOrdered one:
@@ -189,6 +199,15 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& call_params, const LaunchCont
                     make_stride(row, _1{}, head, batch)),
         smem_layout, tile);
   };
+  // dK and dV: the stores clip rows past seqlen_k and columns past the
+  // call's head dim.
+  auto store = [&](void* ptr, int64_t row, int64_t head, int64_t batch) {
+    return make_tma_atom(SM90_TMA_STORE{},
+                         make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)),
+                                     Traits::shape_k(params), make_stride(row, _1{}, head, batch)),
+                         typename Traits::SmemLayoutK{},
+                         Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{});
+  };
   const auto q_tile = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{};
   const auto k_tile = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{};
   const auto q_layout = take<0, 2>(typename Traits::SmemLayoutQ{});
@@ -212,6 +231,8 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& call_params, const LaunchCont
                                                 params.head_dim)),
                     take<0, 2>(typename Traits::SmemLayoutdQ{}),
                     Shape<Int<Traits::kBlockM>, Int<Traits::kDqCols>>{}),
+      store(params.dk, params.dk_row_stride, params.dk_head_stride, params.dk_batch_stride),
+      store(params.dv, params.dv_row_stride, params.dv_head_stride, params.dv_batch_stride),
   };
   auto kernel = &flash_bwd_sm90_kernel<Traits, Mask, kScore>;
   constexpr int kSmemBytes = Traits::kSmemBytes;

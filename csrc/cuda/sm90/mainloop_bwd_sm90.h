@@ -211,6 +211,8 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
   // starts by handing consumer 0 the first turn and skips its own last
   // hand-over, which leaves both barriers as they were.
   constexpr uint32_t kTurnBarrier = 4;
+  // Both consumers around the dK, dV store (epilogue_bwd_sm90.h).
+  constexpr uint32_t kDkvBarrier = 6;
   auto begin_issue = [&] {
     if constexpr (kOwnKeys) cutlass::arch::NamedBarrier::sync(256, kTurnBarrier + consumer);
   };
@@ -486,7 +488,8 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
   }
 
   // dK and dV of the key block, written once, or added to the other shares'.
-  write_dk_dv<Traits>(acc_dk, acc_dv, thr_dkv, key0, batch, kv_head, params);
+  write_dk_dv<Traits, kDkvBarrier>(smem, acc_dk, acc_dv, thr_dkv, tidx, key0, batch, kv_head,
+                                   params);
 }
 
 }  // namespace jflash::cuda::sm90

@@ -250,6 +250,19 @@ struct BwdTraitsSm90 {
       SmemLayout{}, TileShape{}));
   using TmaQ = Tma<decltype(take<0, 2>(SmemLayoutQ{})), Shape<Int<kBlockM>, Int<kHeadDim>>>;
   using TmaK = Tma<SmemLayoutK, Shape<Int<kBlockN>, Int<kHeadDim>>>;
+  // dK and dV leave through the K and V buffers, free once both consumers'
+  // last products have read them: stmatrix from the accumulators, then one
+  // TMA store per tile (epilogue_bwd_sm90.h, stage_dk_dv). Measured and
+  // tested at head dims 64 and 128; head dim 256, whose consumers split the
+  // head-dim columns of dK and dV (kPdSShared), keeps each thread's direct
+  // stores until it has a run of its own.
+  static constexpr bool kDkvThroughSmem = !kPdSShared;
+  using SmemCopydKV =
+      decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmadKV{}));
+  using TmaStoreK = decltype(make_tma_atom(
+      SM90_TMA_STORE{},
+      make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{}, GmemStride{}),
+      SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using TmadQ = decltype(make_tma_atom(
       SM90_TMA_REDUCE_ADD{},
       make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), GmemShape{}, GmemStride{}),
@@ -298,6 +311,8 @@ struct BwdTraitsSm90 {
     // read out by the TMA (its writer arrives).
     uint64_t dq_full[kConsumerWarpgroups][kDqBuffers];
     uint64_t dq_empty[kConsumerWarpgroups][kDqBuffers];
+    // dK and dV staged in the K and V buffers (every consumer warp arrives).
+    uint64_t dkv_full;
     std::conditional_t<kPdSShared, PBuffers, NoPBuffers> p;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
@@ -329,6 +344,8 @@ struct BwdArgsSm90 {
   typename Traits::TmaK tma_k;
   typename Traits::TmaK tma_v;
   typename Traits::TmadQ tma_dq;  // reduce-add into dq_accum, [seqlen_q, head_dim, heads, batch]
+  typename Traits::TmaStoreK tma_dk;  // stores into dk and dv, [seqlen_k, head_dim, heads_kv, batch]
+  typename Traits::TmaStoreK tma_dv;
 };
 
 }  // namespace jflash::cuda::sm90
