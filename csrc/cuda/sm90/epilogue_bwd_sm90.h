@@ -150,8 +150,7 @@ __device__ __forceinline__ void stage_dq(typename Traits::SharedStorage& smem, c
 // thread's direct 4-byte stores of its accumulator pairs (two per 32-byte
 // sector, an address and a bounds branch per pair), the consumers are done
 // after a few shared stores, and the CTA, alone on its SM, ends sooner.
-// (The TMA store is the writer's so that the consumers never hold a
-// descriptor's address, which ptxas kept live across the main loop.)
+// (The writer issues the TMA store so that no consumer thread waits for it.)
 // kBarrier: a named barrier of the consumer threads, free at this point.
 template <typename Traits, uint32_t kBarrier, typename AccDK, typename AccDV>
 __device__ __forceinline__ void stage_dk_dv(typename Traits::SharedStorage& smem, AccDK& acc_dk,
@@ -182,16 +181,10 @@ __device__ __forceinline__ void store_dk_dv_tma(const BwdArgsSm90<Traits>& args,
   const BwdParams& params = args.params;
   Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutK{});
-  auto tile = [&](const auto& tma) {
-    Tensor m = tma.get_tma_tensor(Traits::shape_k(params));
-    return local_tile(m(_, _, kv_head, batch),
-                      Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{},
-                      make_coord(n_block, 0));
-  };
-  auto [tdKgdK, tdKsdK] = tma_partition(args.tma_dk, Int<0>{}, Layout<_1>{},
-                                        group_modes<0, 2>(sK), group_modes<0, 2>(tile(args.tma_dk)));
-  auto [tdVgdV, tdVsdV] = tma_partition(args.tma_dv, Int<0>{}, Layout<_1>{},
-                                        group_modes<0, 2>(sV), group_modes<0, 2>(tile(args.tma_dv)));
+  auto [tdKgdK, tdKsdK] =
+      key_block_tma_partition<Traits>(args.tma_dk, sK, params, n_block, kv_head, batch);
+  auto [tdVgdV, tdVsdV] =
+      key_block_tma_partition<Traits>(args.tma_dv, sV, params, n_block, kv_head, batch);
   EmptyBarrier::wait(&smem.dkv_full, 0);
   copy(args.tma_dk, tdKsdK, tdKgdK);
   copy(args.tma_dv, tdVsdV, tdVgdV);
@@ -210,6 +203,8 @@ __device__ __forceinline__ void write_dk_dv(typename Traits::SharedStorage& smem
                                             const BwdParams& params) {
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
+  // Each accumulator element's (key, column): built only on the paths that
+  // take it.
   auto dkv_coords = [&] {
     return thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   };

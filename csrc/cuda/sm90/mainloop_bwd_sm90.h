@@ -42,23 +42,16 @@ __device__ __forceinline__ void load_kv_qdo(const BwdArgsSm90<Traits>& args,
                                             int n_block, int kv_head, int batch) {
   const auto& [sQ, sdO, sK, sV] = tiles;
   constexpr int kBlockM = Traits::kBlockM;
-  constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kStages = Traits::kStages;
   const BwdParams& params = args.params;
 
   Tensor mQ = args.tma_q.get_tma_tensor(Traits::shape_q(params));
   Tensor mdO = args.tma_dout.get_tma_tensor(Traits::shape_q(params));
-  Tensor mK = args.tma_k.get_tma_tensor(Traits::shape_k(params));
-  Tensor mV = args.tma_v.get_tma_tensor(Traits::shape_k(params));
-  auto kv_tile = [&](auto& m) {
-    return local_tile(m(_, _, kv_head, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                      make_coord(n_block, 0));
-  };
-  auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                    group_modes<0, 2>(kv_tile(mK)));
-  auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                    group_modes<0, 2>(kv_tile(mV)));
+  auto [tKgK, tKsK] =
+      key_block_tma_partition<Traits>(args.tma_k, sK, params, n_block, kv_head, batch);
+  auto [tVgV, tVsV] =
+      key_block_tma_partition<Traits>(args.tma_v, sV, params, n_block, kv_head, batch);
   FullBarrier::arrive_and_expect_tx(&smem.kv_full, 2 * Traits::kKBytes);
   copy(args.tma_k.with(smem.kv_full), tKgK, tKsK);
   copy(args.tma_v.with(smem.kv_full), tVgV, tVsV);

@@ -348,4 +348,19 @@ struct BwdArgsSm90 {
   typename Traits::TmaStoreK tma_dv;
 };
 
+// The TMA partitions (global, shared) of a key block's block_n x head_dim
+// tile of a [seqlen_k, head_dim, heads_kv, batch] tensor and its shared
+// tile: the K and V loads, the dK and dV stores.
+template <typename Traits, typename TmaAtom, typename SmemTile>
+CUTE_DEVICE auto key_block_tma_partition(const TmaAtom& tma, const SmemTile& smem_tile,
+                                         const BwdParams& params, int n_block, int kv_head,
+                                         int batch) {
+  Tensor m = tma.get_tma_tensor(Traits::shape_k(params));
+  Tensor g = local_tile(m(_, _, kv_head, batch),
+                        Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{},
+                        make_coord(n_block, 0));
+  return tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(smem_tile),
+                       group_modes<0, 2>(g));
+}
+
 }  // namespace jflash::cuda::sm90
