@@ -151,22 +151,61 @@ __device__ __forceinline__ void stage_dq(typename Traits::SharedStorage& smem, c
 // sector, an address and a bounds branch per pair), the consumers are done
 // after a few shared stores, and the CTA, alone on its SM, ends sooner.
 // (The writer issues the TMA store so that no consumer thread waits for it.)
+// Split GQA groups (head_splits > 1) stage float32 tiles instead, dK over the
+// K and V buffers and dV over the Q and dO ring (also read out by then, and
+// no load is left to come), which the writer adds into dkv_accum.
 // kBarrier: a named barrier of the consumer threads, free at this point.
-template <typename Traits, uint32_t kBarrier, typename AccDK, typename AccDV>
+template <typename Traits, uint32_t kBarrier, typename AccDK, typename AccDV, typename ThrMmadKV>
 __device__ __forceinline__ void stage_dk_dv(typename Traits::SharedStorage& smem, AccDK& acc_dk,
-                                            const AccDV& acc_dv, int tidx,
-                                            const BwdParams& params) {
+                                            const AccDV& acc_dv, const ThrMmadKV& thr_dkv,
+                                            int tidx, const BwdParams& params) {
   using Element = typename Traits::Element;
   Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutK{});
   typename Traits::SmemCopydKV smem_copy;
   auto thr_copy = smem_copy.get_thread_slice(tidx);
-  cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBarrier);  // K, V read out
-  // One tile at a time: dV's 16-bit copy never lives beside dK's.
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
-  copy(smem_copy, thr_copy.retile_S(convert_fragment<Element>(acc_dk)), thr_copy.partition_D(sK));
-  copy(smem_copy, thr_copy.retile_S(convert_fragment<Element>(acc_dv)), thr_copy.partition_D(sV));
+  cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBarrier);  // K, V, Q, dO read out
+  if (params.head_splits > 1) {
+    // float32 partial sums (dK unscaled: the convert kernel scales it),
+    // dK over the K and V buffers and dV over the Q and dO ring; a thread's
+    // accumulator pairs are adjacent columns, 8 bytes in these layouts.
+    // Addresses: the 128-byte swizzle XORs a row's 16-byte chunk index with
+    // row % 8, which is the same for all of a thread's rows (they differ by
+    // multiples of 8), so a thread's pairs take four base addresses (the
+    // chunk pairs of its first 32 columns) plus immediates: rows 8 apart and
+    // columns 32 apart are whole swizzle periods. (One address per pair,
+    // the compiler kept them all in registers: 48 bytes of spill at head
+    // dim 128.)
+    using Layout = typename Traits::SmemLayoutdKVAccum;
+    constexpr auto plain = get_nonswizzle_portion(Layout{});
+    Tensor sdK = make_tensor(make_smem_ptr(reinterpret_cast<float*>(smem.k.begin())), Layout{});
+    Tensor cdKV = thr_dkv.partition_C(make_identity_tensor(
+        Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}));
+    const int row0 = get<0>(cdKV(0)), col0 = get<1>(cdKV(0));
+    uint32_t k_addr[4];
+    CUTE_UNROLL
+    for (int c = 0; c < 4; ++c) k_addr[c] = cast_smem_ptr_to_uint(&sdK(row0, col0 + 8 * c));
+    const uint32_t v_minus_k = cast_smem_ptr_to_uint(smem.q.begin()) -
+                               cast_smem_ptr_to_uint(smem.k.begin());
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); i += 2) {
+      const int dr = get<0>(cdKV(i)) - row0, dc = get<1>(cdKV(i)) - col0;
+      const int c = (dc / 8) % 4;
+      const uint32_t offset = (plain(dr, dc - 8 * c) - plain(0, 0)) * sizeof(float);
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(k_addr[c] + offset),
+                   "f"(acc_dk(i)), "f"(acc_dk(i + 1))
+                   : "memory");
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(k_addr[c] + v_minus_k + offset),
+                   "f"(acc_dv(i)), "f"(acc_dv(i + 1))
+                   : "memory");
+    }
+  } else {
+    // One tile at a time: dV's 16-bit copy never lives beside dK's.
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
+    copy(smem_copy, thr_copy.retile_S(convert_fragment<Element>(acc_dk)), thr_copy.partition_D(sK));
+    copy(smem_copy, thr_copy.retile_S(convert_fragment<Element>(acc_dv)), thr_copy.partition_D(sV));
+  }
   tma_store_fence();  // this thread's shared stores, visible to TMA
   __syncwarp();
   if (tidx % 32 == 0) EmptyBarrier::arrive(&smem.dkv_full);
@@ -186,8 +225,21 @@ __device__ __forceinline__ void store_dk_dv_tma(const BwdArgsSm90<Traits>& args,
   auto [tdVgdV, tdVsdV] =
       key_block_tma_partition<Traits>(args.tma_dv, sV, params, n_block, kv_head, batch);
   EmptyBarrier::wait(&smem.dkv_full, 0);
-  copy(args.tma_dk, tdKsdK, tdKgdK);
-  copy(args.tma_dv, tdVsdV, tdVgdV);
+  if (params.head_splits > 1) {
+    Tensor sdK = make_tensor(make_smem_ptr(reinterpret_cast<float*>(smem.k.begin())),
+                             typename Traits::SmemLayoutdKVAccum{});
+    Tensor sdV = make_tensor(make_smem_ptr(reinterpret_cast<float*>(smem.q.begin())),
+                             typename Traits::SmemLayoutdKVAccum{});
+    auto [tdKgA, tdKsA] = key_block_tma_partition<Traits>(args.tma_dk_accum, sdK, params,
+                                                          n_block, kv_head, batch);
+    auto [tdVgA, tdVsA] = key_block_tma_partition<Traits>(args.tma_dv_accum, sdV, params,
+                                                          n_block, kv_head, batch);
+    copy(args.tma_dk_accum, tdKsA, tdKgA);
+    copy(args.tma_dv_accum, tdVsA, tdVgA);
+  } else {
+    copy(args.tma_dk, tdKsdK, tdKgdK);
+    copy(args.tma_dv, tdVsdV, tdVgdV);
+  }
   tma_store_arrive();
   tma_store_wait<0>();  // read out of shared memory before the CTA ends
 }
@@ -208,10 +260,10 @@ __device__ __forceinline__ void write_dk_dv(typename Traits::SharedStorage& smem
   auto dkv_coords = [&] {
     return thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   };
-  if (params.head_splits > 1) {
+  if constexpr (Traits::kDkvThroughSmem) {
+    stage_dk_dv<Traits, kBarrier>(smem, acc_dk, acc_dv, thr_dkv, tidx, params);
+  } else if (params.head_splits > 1) {
     add_dk_dv(acc_dk, acc_dv, dkv_coords(), key0, batch, kv_head, params);
-  } else if constexpr (Traits::kDkvThroughSmem) {
-    stage_dk_dv<Traits, kBarrier>(smem, acc_dk, acc_dv, tidx, params);
   } else {
     store_dk_dv<typename Traits::Element>(acc_dk, acc_dv, dkv_coords(), key0, batch, kv_head,
                                           params, params.head_dim);

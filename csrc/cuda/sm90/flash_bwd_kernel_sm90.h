@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (warp > 0) {
       write_dq(args, smem, steps, warp - 1, n_block, batch);
       // dK and dV, also of a key block without steps (zeros).
-      if (Traits::kDkvThroughSmem && warp == 1 && params.head_splits == 1) {
+      if (Traits::kDkvThroughSmem && warp == 1) {
         store_dk_dv_tma(args, smem, n_block, kv_head, batch);
       }
       return;
@@ -208,6 +208,20 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& call_params, const LaunchCont
                          typename Traits::SmemLayoutK{},
                          Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{});
   };
+  // dkv_accum is [batch, heads_kv, 2, seqlen_k, head_dim], dense; plane 0
+  // dK, 1 dV. Without it (no split) the descriptors, never used, are built
+  // over dq_accum so that their address is a valid one.
+  auto accum = [&](int plane) {
+    const int64_t plane_size = int64_t{params.seqlen_k} * params.head_dim;
+    float* base = params.dkv_accum != nullptr ? params.dkv_accum + plane * plane_size
+                                              : params.dq_accum;
+    return make_tma_atom(SM90_TMA_REDUCE_ADD{},
+                         make_tensor(make_gmem_ptr(base), Traits::shape_k(params),
+                                     make_stride(int64_t{params.head_dim}, _1{}, 2 * plane_size,
+                                                 2 * plane_size * params.num_heads_kv)),
+                         typename Traits::SmemLayoutdKVAccum{},
+                         Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{});
+  };
   const auto q_tile = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{};
   const auto k_tile = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{};
   const auto q_layout = take<0, 2>(typename Traits::SmemLayoutQ{});
@@ -233,6 +247,8 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& call_params, const LaunchCont
                     Shape<Int<Traits::kBlockM>, Int<Traits::kDqCols>>{}),
       store(params.dk, params.dk_row_stride, params.dk_head_stride, params.dk_batch_stride),
       store(params.dv, params.dv_row_stride, params.dv_head_stride, params.dv_batch_stride),
+      accum(0),
+      accum(1),
   };
   auto kernel = &flash_bwd_sm90_kernel<Traits, Mask, kScore>;
   constexpr int kSmemBytes = Traits::kSmemBytes;

@@ -263,6 +263,19 @@ struct BwdTraitsSm90 {
       SM90_TMA_STORE{},
       make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{}, GmemStride{}),
       SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // Split GQA groups (head_splits > 1) add float32 dK and dV into dkv_accum
+  // instead: dK's tile staged over the K and V buffers, dV's over the Q and
+  // dO ring, each added by one TMA reduce-add.
+  using SmemLayoutdKVAccum = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{},
+                                                    Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  static_assert(cosize_v<SmemLayoutdKVAccum> * sizeof(float) <=
+                    2 * cosize_v<SmemLayoutK> * sizeof(Element) &&
+                cosize_v<SmemLayoutdKVAccum> * sizeof(float) <=
+                    2 * cosize_v<SmemLayoutQ> * sizeof(Element));
+  using TmadKVAccum = decltype(make_tma_atom(
+      SM90_TMA_REDUCE_ADD{},
+      make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), GmemShape{}, GmemStride{}),
+      SmemLayoutdKVAccum{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using TmadQ = decltype(make_tma_atom(
       SM90_TMA_REDUCE_ADD{},
       make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), GmemShape{}, GmemStride{}),
@@ -346,6 +359,9 @@ struct BwdArgsSm90 {
   typename Traits::TmadQ tma_dq;  // reduce-add into dq_accum, [seqlen_q, head_dim, heads, batch]
   typename Traits::TmaStoreK tma_dk;  // stores into dk and dv, [seqlen_k, head_dim, heads_kv, batch]
   typename Traits::TmaStoreK tma_dv;
+  // reduce-adds into dkv_accum's dK and dV planes (head_splits > 1)
+  typename Traits::TmadKVAccum tma_dk_accum;
+  typename Traits::TmadKVAccum tma_dv_accum;
 };
 
 // The TMA partitions (global, shared) of a key block's block_n x head_dim
