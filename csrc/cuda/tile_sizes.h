@@ -192,6 +192,22 @@ constexpr bool has_small_bwd_tile(int head_dim) {
   return !(bwd_tile(head_dim, SmemClass::kSmall) == bwd_tile(head_dim));
 }
 
+// The most rows of any sm80 forward tile (both columns, float32 too). That
+// kernel steps between a tile's rows with a 32-bit stride
+// (flash_fwd_kernel_sm80.h), so the handlers require this many rows times a
+// row stride to stay below 2^31 elements.
+constexpr int max_fwd_tile_rows() {
+  int rows = 0;
+  for (int d : kKernelHeadDims) {
+    for (const FwdTile& t :
+         {fwd_tile(d), fwd_tile(d, SmemClass::kSmall), fwd_tile(d, SmemClass::kLarge, 4)}) {
+      rows = t.block_m > rows ? t.block_m : rows;
+      rows = t.block_n > rows ? t.block_n : rows;
+    }
+  }
+  return rows;
+}
+
 // Hopper forward (csrc/cuda/sm90/): TMA + wgmma, one producer warpgroup and
 // block_m / 64 consumer warpgroups (64 query rows each), K and V tiles in
 // rings of shared-memory buffers. Head dims without an entry run the entry of

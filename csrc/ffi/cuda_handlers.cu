@@ -287,10 +287,12 @@ ffi::ErrorOr<cuda::LaunchContext> Prepare(const FwdParams& params, cudaStream_t 
   if (score == ScoreKind::kSoftcap) {
     if (auto err = listed(kSoftcapHeadDims, "softcap kernels"); err.failure()) return err;
   }
-  // The forward kernel addresses rows inside a tile with 32-bit offsets.
+  // The sm80 forward steps between a tile's rows with a 32-bit stride.
   constexpr int64_t kMaxTileOffset = int64_t{1} << 31;
+  constexpr int64_t kTileRows = cuda::max_fwd_tile_rows();
+  static_assert(kTileRows == 128);
   for (int64_t row_stride : {params.q_row_stride, params.k_row_stride, params.v_row_stride}) {
-    if (row_stride * kMaxKernelHeadDim >= kMaxTileOffset) {
+    if (row_stride * kTileRows >= kMaxTileOffset) {
       return ffi::Error::InvalidArgument(
           "jflash: num_heads * head_dim is too large for the CUDA kernels (row stride " +
           std::to_string(row_stride) + " elements)");
