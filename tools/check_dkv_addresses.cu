@@ -52,6 +52,8 @@ int main() {
   bad += check<BwdTraitsSm90<cutlass::bfloat16_t, 64, MaskKind::kBand, ScoreKind::kPlain, true>>(
       "hd64 band ordered");
   bad += check<BwdTraitsSm90<cutlass::bfloat16_t, 64, MaskKind::kNone>>("hd64 full");
+  bad += check<BwdTraitsSm90<cutlass::bfloat16_t, 256, MaskKind::kBand>>("hd256 band");
+  bad += check<BwdTraitsSm90<cutlass::bfloat16_t, 256, MaskKind::kNone>>("hd256 full");
   bad += check<BwdTraitsSm90<cutlass::bfloat16_t, 128, MaskKind::kSegments, ScoreKind::kSoftcap>>(
       "hd128 seg softcap");
   return bad != 0;

@@ -252,11 +252,11 @@ struct BwdTraitsSm90 {
   using TmaK = Tma<SmemLayoutK, Shape<Int<kBlockN>, Int<kHeadDim>>>;
   // dK and dV leave through the K and V buffers, free once both consumers'
   // last products have read them: stmatrix from the accumulators, then one
-  // TMA store per tile (epilogue_bwd_sm90.h, stage_dk_dv). Measured and
-  // tested at head dims 64 and 128; head dim 256, whose consumers split the
-  // head-dim columns of dK and dV (kPdSShared), keeps each thread's direct
-  // stores until it has a run of its own.
-  static constexpr bool kDkvThroughSmem = !kPdSShared;
+  // TMA store per tile (epilogue_bwd_sm90.h, stage_dk_dv). Head dim 256
+  // (kPdSShared) under a mask keeps each thread's direct stores: there the
+  // staging cost its main loop a 20-byte spill and 2.8% at causal 4k
+  // (docs/hopper_backward.md).
+  static constexpr bool kDkvThroughSmem = !kPdSShared || kMaskKind == MaskKind::kNone;
   using SmemCopydKV =
       decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmadKV{}));
   using TmaStoreK = decltype(make_tma_atom(
