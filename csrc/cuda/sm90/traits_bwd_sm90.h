@@ -254,8 +254,7 @@ struct BwdTraitsSm90 {
   // last products have read them: stmatrix from the accumulators, then one
   // TMA store per tile (epilogue_bwd_sm90.h, stage_dk_dv). Head dim 256
   // (kPdSShared) under a mask keeps each thread's direct stores: there the
-  // staging cost its main loop a 20-byte spill and 2.8% at causal 4k
-  // (docs/hopper_backward.md).
+  // staging measured 2.8% slower at causal 4k (docs/hopper_backward.md).
   static constexpr bool kDkvThroughSmem = !kPdSShared || kMaskKind == MaskKind::kNone;
   using SmemCopydKV =
       decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmadKV{}));
