@@ -1,6 +1,6 @@
 // Host-side check of the float32 dK/dV staging addresses of stage_dk_dv
 // (epilogue_bwd_sm90.h): four base addresses plus immediates per thread
-// against CuTe's own partition of the swizzled layout, for every consumer
+// (BwdTraitsSm90::dkv_accum_base, dkv_accum_offset) against CuTe's own partition of the swizzled layout, for every consumer
 // thread and accumulator pair of the tiles that stage through shared memory.
 //   nvcc -std=c++17 --expt-relaxed-constexpr -I csrc -I csrc/include \
 //     -isystem <cutlass include> -isystem <jaxlib include> tools/check_dkv_addresses.cu
@@ -12,7 +12,6 @@ using namespace jflash::cuda::sm90;
 template <typename Traits>
 int check(const char* name) {
   using Layout = typename Traits::SmemLayoutdKVAccum;
-  constexpr auto plain = get_nonswizzle_portion(Layout{});
   static float buf[cosize_v<Layout> + 64];
   float* base = buf;
   Tensor sdK = make_tensor(make_smem_ptr(base), Layout{});
@@ -28,8 +27,7 @@ int check(const char* name) {
     for (int c = 0; c < 4; ++c) k_addr[c] = &sdK(row0, col0 + 8 * c) - base;
     for (int i = 0; i < size(ref); i += 2) {
       const int dr = get<0>(cdKV(i)) - row0, dc = get<1>(cdKV(i)) - col0;
-      const int c = (dc / 8) % 4;
-      long got = k_addr[c] + (plain(dr, dc - 8 * c) - plain(0, 0));
+      long got = k_addr[Traits::dkv_accum_base(dc)] + Traits::dkv_accum_offset(dr, dc);
       long want = &ref(i) - base;
       long want1 = &ref(i + 1) - base;
       ++total;

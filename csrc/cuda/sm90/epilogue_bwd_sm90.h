@@ -169,15 +169,11 @@ __device__ __forceinline__ void stage_dk_dv(typename Traits::SharedStorage& smem
     // float32 partial sums (dK unscaled: the convert kernel scales it),
     // dK over the K and V buffers and dV over the Q and dO ring; a thread's
     // accumulator pairs are adjacent columns, 8 bytes in these layouts.
-    // Addresses: the 128-byte swizzle XORs a row's 16-byte chunk index with
-    // row % 8, which is the same for all of a thread's rows (they differ by
-    // multiples of 8), so a thread's pairs take four base addresses (the
-    // chunk pairs of its first 32 columns) plus immediates: rows 8 apart and
-    // columns 32 apart are whole swizzle periods. (One address per pair,
+    // Addresses: four bases plus immediates per thread (the traits'
+    // dkv_accum_base and dkv_accum_offset say why). (One address per pair,
     // the compiler kept them all in registers: 48 bytes of spill at head
     // dim 128.)
     using Layout = typename Traits::SmemLayoutdKVAccum;
-    constexpr auto plain = get_nonswizzle_portion(Layout{});
     Tensor sdK = make_tensor(make_smem_ptr(reinterpret_cast<float*>(smem.k.begin())), Layout{});
     Tensor cdKV = thr_dkv.partition_C(make_identity_tensor(
         Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}));
@@ -190,8 +186,8 @@ __device__ __forceinline__ void stage_dk_dv(typename Traits::SharedStorage& smem
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dk); i += 2) {
       const int dr = get<0>(cdKV(i)) - row0, dc = get<1>(cdKV(i)) - col0;
-      const int c = (dc / 8) % 4;
-      const uint32_t offset = (plain(dr, dc - 8 * c) - plain(0, 0)) * sizeof(float);
+      const int c = Traits::dkv_accum_base(dc);
+      const uint32_t offset = Traits::dkv_accum_offset(dr, dc) * sizeof(float);
       asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(k_addr[c] + offset),
                    "f"(acc_dk(i)), "f"(acc_dk(i + 1))
                    : "memory");
@@ -218,12 +214,6 @@ __device__ __forceinline__ void store_dk_dv_tma(const BwdArgsSm90<Traits>& args,
                                                 typename Traits::SharedStorage& smem,
                                                 int n_block, int kv_head, int batch) {
   const BwdParams& params = args.params;
-  Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutK{});
-  Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutK{});
-  auto [tdKgdK, tdKsdK] =
-      key_block_tma_partition<Traits>(args.tma_dk, sK, params, n_block, kv_head, batch);
-  auto [tdVgdV, tdVsdV] =
-      key_block_tma_partition<Traits>(args.tma_dv, sV, params, n_block, kv_head, batch);
   EmptyBarrier::wait(&smem.dkv_full, 0);
   if (params.head_splits > 1) {
     Tensor sdK = make_tensor(make_smem_ptr(reinterpret_cast<float*>(smem.k.begin())),
@@ -237,6 +227,12 @@ __device__ __forceinline__ void store_dk_dv_tma(const BwdArgsSm90<Traits>& args,
     copy(args.tma_dk_accum, tdKsA, tdKgA);
     copy(args.tma_dv_accum, tdVsA, tdVgA);
   } else {
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::SmemLayoutK{});
+    auto [tdKgdK, tdKsdK] =
+        key_block_tma_partition<Traits>(args.tma_dk, sK, params, n_block, kv_head, batch);
+    auto [tdVgdV, tdVsdV] =
+        key_block_tma_partition<Traits>(args.tma_dv, sV, params, n_block, kv_head, batch);
     copy(args.tma_dk, tdKsdK, tdKgdK);
     copy(args.tma_dv, tdVsdV, tdVgdV);
   }

@@ -191,22 +191,16 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& call_params, const LaunchCont
   if (cudaError_t err = launch_bwd_preprocess<Element, kHeadDim>(params, ctx); err != cudaSuccess) {
     return err;
   }
-  auto tma = [](const void* ptr, auto shape, int64_t row, int64_t head, int64_t batch,
+  // The loads of Q, dO, K, V (SM90_TMA_LOAD) and the stores of dK, dV
+  // (SM90_TMA_STORE, which clip rows past seqlen_k and columns past the
+  // call's head dim).
+  auto tma = [](auto op, const void* ptr, auto shape, int64_t row, int64_t head, int64_t batch,
                 auto smem_layout, auto tile) {
     return make_tma_atom(
-        SM90_TMA_LOAD{},
+        op,
         make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), shape,
                     make_stride(row, _1{}, head, batch)),
         smem_layout, tile);
-  };
-  // dK and dV: the stores clip rows past seqlen_k and columns past the
-  // call's head dim.
-  auto store = [&](void* ptr, int64_t row, int64_t head, int64_t batch) {
-    return make_tma_atom(SM90_TMA_STORE{},
-                         make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)),
-                                     Traits::shape_k(params), make_stride(row, _1{}, head, batch)),
-                         typename Traits::SmemLayoutK{},
-                         Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{});
   };
   // dkv_accum is [batch, heads_kv, 2, seqlen_k, head_dim], dense; plane 0
   // dK, 1 dV. Without it (no split) the descriptors, never used, are built
@@ -228,14 +222,14 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& call_params, const LaunchCont
   const auto k_layout = typename Traits::SmemLayoutK{};
   const BwdArgsSm90<Traits> args{
       params,
-      tma(params.q, Traits::shape_q(params), params.q_row_stride, params.q_head_stride,
-          params.q_batch_stride, q_layout, q_tile),
-      tma(params.dout, Traits::shape_q(params), params.dout_row_stride, params.dout_head_stride,
-          params.dout_batch_stride, q_layout, q_tile),
-      tma(params.k, Traits::shape_k(params), params.k_row_stride, params.k_head_stride,
-          params.k_batch_stride, k_layout, k_tile),
-      tma(params.v, Traits::shape_k(params), params.v_row_stride, params.v_head_stride,
-          params.v_batch_stride, k_layout, k_tile),
+      tma(SM90_TMA_LOAD{}, params.q, Traits::shape_q(params), params.q_row_stride,
+          params.q_head_stride, params.q_batch_stride, q_layout, q_tile),
+      tma(SM90_TMA_LOAD{}, params.dout, Traits::shape_q(params), params.dout_row_stride,
+          params.dout_head_stride, params.dout_batch_stride, q_layout, q_tile),
+      tma(SM90_TMA_LOAD{}, params.k, Traits::shape_k(params), params.k_row_stride,
+          params.k_head_stride, params.k_batch_stride, k_layout, k_tile),
+      tma(SM90_TMA_LOAD{}, params.v, Traits::shape_k(params), params.v_row_stride,
+          params.v_head_stride, params.v_batch_stride, k_layout, k_tile),
       // dq_accum is [batch, heads, seqlen_q, head_dim], dense.
       make_tma_atom(SM90_TMA_REDUCE_ADD{},
                     make_tensor(make_gmem_ptr(params.dq_accum), Traits::shape_q(params),
@@ -245,8 +239,10 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& call_params, const LaunchCont
                                                 params.head_dim)),
                     take<0, 2>(typename Traits::SmemLayoutdQ{}),
                     Shape<Int<Traits::kBlockM>, Int<Traits::kDqCols>>{}),
-      store(params.dk, params.dk_row_stride, params.dk_head_stride, params.dk_batch_stride),
-      store(params.dv, params.dv_row_stride, params.dv_head_stride, params.dv_batch_stride),
+      tma(SM90_TMA_STORE{}, params.dk, Traits::shape_k(params), params.dk_row_stride,
+          params.dk_head_stride, params.dk_batch_stride, k_layout, k_tile),
+      tma(SM90_TMA_STORE{}, params.dv, Traits::shape_k(params), params.dv_row_stride,
+          params.dv_head_stride, params.dv_batch_stride, k_layout, k_tile),
       accum(0),
       accum(1),
   };

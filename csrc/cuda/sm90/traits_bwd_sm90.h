@@ -271,6 +271,18 @@ struct BwdTraitsSm90 {
                     2 * cosize_v<SmemLayoutK> * sizeof(Element) &&
                 cosize_v<SmemLayoutdKVAccum> * sizeof(float) <=
                     2 * cosize_v<SmemLayoutQ> * sizeof(Element));
+  // A thread's float32 pair dr rows and dc columns past its first element
+  // (stage_dk_dv): at dkv_accum_offset floats from the address of its first
+  // row and column + 8 * dkv_accum_base. The swizzle XORs a row's 16-byte
+  // chunk index with row % 8, the same for all of a thread's rows (8 apart),
+  // so only the chunk of the first 32 columns (four bases) varies; rows 8
+  // apart and columns 32 apart are whole swizzle periods.
+  // tools/check_dkv_addresses.cu checks both against CuTe's partition.
+  CUTE_HOST_DEVICE static constexpr int dkv_accum_base(int dc) { return dc / 8 % 4; }
+  CUTE_HOST_DEVICE static constexpr int dkv_accum_offset(int dr, int dc) {
+    constexpr auto plain = get_nonswizzle_portion(SmemLayoutdKVAccum{});
+    return plain(dr, dc - 8 * dkv_accum_base(dc)) - plain(0, 0);
+  }
   using TmadKVAccum = decltype(make_tma_atom(
       SM90_TMA_REDUCE_ADD{},
       make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), GmemShape{}, GmemStride{}),
