@@ -9,6 +9,8 @@ implementations pay alike). Per kernel name: launches per step, device time
 per step, and the share of the step's summed kernel time. "span" is the time
 from the first kernel's start to the last one's end per step, over the traced
 steps; kernel times that sum to less than it mean gaps between launches.
+`--impls` also takes jflash_det (deterministic), jflash_ids (segment ids, one
+per row) and jflash_packed (the batch as documents of one row, segment ids).
 
   python3 -P tools/kernel_times.py --head-dim 128 --seq 4096 --causal yes
 """
@@ -92,6 +94,8 @@ def main():
     b, h = 16384 // s, 2048 // d
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((b, s, h, d)), args.dtype) for _ in range(3))
+    ids = jnp.zeros((b, s), jnp.int32)
+    packed_ids = jnp.repeat(jnp.arange(b, dtype=jnp.int32), s)[None]
     flops = 4 * b * h * s * s * d / (2 if causal else 1) * (3.5 if args.mode == "fwdbwd" else 1)
     impls = {
         "jflash": lambda q, k, v: jflash.flash_attention(q, k, v, causal=causal),
@@ -99,6 +103,13 @@ def main():
                                                             deterministic=True),
         "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                               implementation="cudnn"),
+        # The segment-id kernels on the same work: one id per row (nothing
+        # masked), and the batch packed into one row of b documents.
+        "jflash_ids": lambda q, k, v: jflash.flash_attention(
+            q, k, v, causal=causal, q_segment_ids=ids, kv_segment_ids=ids),
+        "jflash_packed": lambda q, k, v: jflash.flash_attention(
+            *(x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v)), causal=causal,
+            q_segment_ids=packed_ids, kv_segment_ids=packed_ids).reshape(q.shape),
     }
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; {args.dtype}; "
           f"{args.mode}; head dim {d}, seq {s}, batch {b}, heads {h}, causal {causal}; "
