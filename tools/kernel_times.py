@@ -10,7 +10,8 @@ per step, and the share of the step's summed kernel time. "span" is the time
 from the first kernel's start to the last one's end per step, over the traced
 steps; kernel times that sum to less than it mean gaps between launches.
 `--impls` also takes jflash_det (deterministic), jflash_ids (segment ids, one
-per row) and jflash_packed (the batch as documents of one row, segment ids).
+per row), jflash_packed (the batch as documents of one row, segment ids) and
+jflash_varlen (the same as sequences of flash_attention_varlen).
 
   python3 -P tools/kernel_times.py --head-dim 128 --seq 4096 --causal yes
 """
@@ -96,6 +97,20 @@ def main():
     q, k, v = (jnp.asarray(rng.standard_normal((b, s, h, d)), args.dtype) for _ in range(3))
     ids = jnp.zeros((b, s), jnp.int32)
     packed_ids = jnp.repeat(jnp.arange(b, dtype=jnp.int32), s)[None]
+    cu = jnp.arange(b + 1, dtype=jnp.int32) * s
+
+    def data(x, q):
+        # x as data of the step (a function of q that XLA cannot fold), so that
+        # the work the kernels' callers do on ids or cu_seqlens stays in the
+        # trace, as in a training step whose ids come with the batch.
+        return jnp.where(jnp.isnan(q[0, 0, 0, 0]), jnp.zeros_like(x), x)
+
+    def varlen(q, k, v):
+        cu_seqlens = data(cu, q)  # one array for both sides: the self-attention path
+        return jflash.flash_attention_varlen(
+            *(x.reshape(b * s, *x.shape[2:]) for x in (q, k, v)), cu_seqlens, cu_seqlens,
+            max_seqlen_q=s, max_seqlen_k=s, causal=causal).reshape(q.shape)
+
     flops = 4 * b * h * s * s * d / (2 if causal else 1) * (3.5 if args.mode == "fwdbwd" else 1)
     impls = {
         "jflash": lambda q, k, v: jflash.flash_attention(q, k, v, causal=causal),
@@ -104,12 +119,15 @@ def main():
         "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                               implementation="cudnn"),
         # The segment-id kernels on the same work: one id per row (nothing
-        # masked), and the batch packed into one row of b documents.
+        # masked); the batch packed into one row of b documents; the same as
+        # a varlen batch of b sequences.
         "jflash_ids": lambda q, k, v: jflash.flash_attention(
-            q, k, v, causal=causal, q_segment_ids=ids, kv_segment_ids=ids),
+            q, k, v, causal=causal, q_segment_ids=data(ids, q), kv_segment_ids=data(ids, q)),
         "jflash_packed": lambda q, k, v: jflash.flash_attention(
             *(x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v)), causal=causal,
-            q_segment_ids=packed_ids, kv_segment_ids=packed_ids).reshape(q.shape),
+            q_segment_ids=data(packed_ids, q), kv_segment_ids=data(packed_ids, q)
+        ).reshape(q.shape),
+        "jflash_varlen": varlen,
     }
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; {args.dtype}; "
           f"{args.mode}; head dim {d}, seq {s}, batch {b}, heads {h}, causal {causal}; "
