@@ -410,7 +410,7 @@ constexpr DecodeTile decode_tile(int head_dim) {
 }
 
 // The decode combine starts early (a programmatic dependent launch on sm_90a,
-// flash_decode_sm80.h) only where a CTA of the main kernel streams at most
+// decode_combine.h) only where a CTA of the main kernel streams at most
 // this many key tiles. Measured (H100, bfloat16, head dim 128, 64 query heads
 // over 8 kv heads, one call with both, GB/s against no early start): batch 1,
 // 8k cache (4 tiles per CTA) 1614 against 1557; batch 1, 128k (63 tiles)
