@@ -44,6 +44,11 @@ struct PrepTile {
 };
 
 template <int kTileRows>
+__device__ __forceinline__ int64_t prep_num_tiles(const BwdParams& params) {
+  return int64_t{params.batch} * params.num_heads * ((params.seqlen_q + kTileRows - 1) / kTileRows);
+}
+
+template <int kTileRows>
 __device__ __forceinline__ PrepTile prep_tile(const BwdParams& params, int64_t t) {
   const int tiles_per_head = (params.seqlen_q + kTileRows - 1) / kTileRows;
   const int64_t bh = t / tiles_per_head;
@@ -74,8 +79,7 @@ __global__ void __launch_bounds__(kPrepThreads)
   const int zero_chunks = params.head_dim / 4;  // float4s of a dq_accum row
   const int sub = threadIdx.x % kThreadsPerRow;
   const int group = threadIdx.x / kThreadsPerRow;
-  const int64_t num_tiles = int64_t{params.batch} * params.num_heads *
-                            ((params.seqlen_q + kTileRows - 1) / kTileRows);
+  const int64_t num_tiles = prep_num_tiles<kTileRows>(params);
   for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const PrepTile tile = prep_tile<kTileRows>(params, t);
     const Element* o = static_cast<const Element*>(params.out) +
@@ -154,8 +158,7 @@ __global__ void __launch_bounds__(kPrepThreads)
   const int quads = params.head_dim / 4;  // float4s of a row
   const int lane = threadIdx.x % kThreadsPerRow;
   const int group = threadIdx.x / kThreadsPerRow;
-  const int64_t num_tiles = int64_t{params.batch} * params.num_heads *
-                            ((params.seqlen_q + kTileRows - 1) / kTileRows);
+  const int64_t num_tiles = prep_num_tiles<kTileRows>(params);
   for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const PrepTile tile = prep_tile<kTileRows>(params, t);
     Element* dq = static_cast<Element*>(params.dq) + tile.batch * params.dq_batch_stride +
