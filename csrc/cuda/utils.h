@@ -11,6 +11,8 @@
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
 
+#include "jflash/mask.h"  // IndexRange
+
 namespace jflash::cuda {
 
 using namespace cute;
