@@ -66,9 +66,13 @@ __device__ __forceinline__ void write_dq(const BwdArgsSm90<Traits>& args,
       }
       fence_async_global();  // the acquire, before this reduce-add
     }
-    Tensor gdQ = local_tile(mdQ(_, _, head, batch),
-                            Shape<Int<Traits::kBlockM>, Int<Traits::kDqCols>>{},
-                            make_coord(m_block, Traits::kDqOwnKeys ? 0 : consumer));
+    // The consumer's slice of query block m_block: its rows (kDqSplitRows),
+    // its columns, or (kDqOwnKeys) the whole tile.
+    constexpr int kSlices = Traits::kConsumerWarpgroups;
+    Tensor gdQ = local_tile(
+        mdQ(_, _, head, batch), Shape<Int<Traits::kDqRows>, Int<Traits::kDqCols>>{},
+        Traits::kDqSplitRows ? make_coord(m_block * kSlices + consumer, 0)
+                             : make_coord(m_block, Traits::kDqOwnKeys ? 0 : consumer));
     auto [tdQgdQ, tdQsdQ] =
         tma_partition(args.tma_dq, Int<0>{}, Layout<_1>{},
                       group_modes<0, 2>(sdQ(_, _, consumer, slot.stage)), group_modes<0, 2>(gdQ));

@@ -238,7 +238,7 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& call_params, const LaunchCont
                                             int64_t{params.num_heads} * params.seqlen_q *
                                                 params.head_dim)),
                     take<0, 2>(typename Traits::SmemLayoutdQ{}),
-                    Shape<Int<Traits::kBlockM>, Int<Traits::kDqCols>>{}),
+                    Shape<Int<Traits::kDqRows>, Int<Traits::kDqCols>>{}),
       tma(SM90_TMA_STORE{}, params.dk, Traits::shape_k(params), params.dk_row_stride,
           params.dk_head_stride, params.dk_batch_stride, k_layout, k_tile),
       tma(SM90_TMA_STORE{}, params.dv, Traits::shape_k(params), params.dv_row_stride,

@@ -147,8 +147,14 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
           make_tensor(make_smem_ptr(smem.dq.begin()), typename Traits::SmemLayoutdQt{}));
     } else {
       Tensor sdQ = make_tensor(make_smem_ptr(smem.dq.begin()), typename Traits::SmemLayoutdQ{});
-      if constexpr (kOwnKeys) return thr_dq.partition_C(sdQ(_, _, consumer, _));
-      else return thr_dq.partition_C(group_modes<1, 3>(sdQ));
+      if constexpr (kOwnKeys) {
+        return thr_dq.partition_C(sdQ(_, _, consumer, _));
+      } else if constexpr (Traits::kDqSplitRows) {
+        return thr_dq.partition_C(
+            make_tensor(make_smem_ptr(smem.dq.begin()), typename Traits::SmemLayoutdQRows{}));
+      } else {
+        return thr_dq.partition_C(group_modes<1, 3>(sdQ));
+      }
     }
   }();
 

@@ -151,14 +151,27 @@ struct BwdTraitsSm90 {
       ConsumerSplit{}));
   // dQ = dS K: M = block_m, N = head_dim, K = block_n; dS stored with the
   // query rows contiguous and K read as head_dim x block_n: both MN-major.
-  // The consumers split N (head-dim columns).
+  // The consumers split N (head-dim columns), or with kDqSplitRows M (query
+  // rows): where each consumer's rows are still wgmma's M of 64 (block_m
+  // 128), a consumer's instructions then read K once per k-step instead of
+  // once per 64 rows, 32 KB of dS and K per consumer and step against 48 KB
+  // at head dim 64 (docs/hopper_backward.md, Floors and Next), for the same
+  // accumulator floats per thread.
   // dQ^T = K^T dS^T: M = head_dim, N = block_m, K = block_n; the same two
   // views of K and dS as A and B, both MN-major still (wgmma transposes
   // 16-bit operands in shared memory). The consumers split M (head-dim rows).
   // With kDqOwnKeys: dQ = dS_c K_c, M = block_m, N = head_dim, K = the
   // consumer's 64 keys, one warpgroup's product.
+  static constexpr bool kDqSplitRows =
+      !kDqOwnKeys && !kDqTransposed && !kPdSShared && kBlockM == 64 * kConsumerWarpgroups;
   static constexpr auto make_tiled_mma_dq() {
-    if constexpr (kDqOwnKeys) {
+    if constexpr (kDqSplitRows) {
+      return make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, float,
+                               Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::MN,
+                               GMMA::Major::MN>(),
+          AlongM{});
+    } else if constexpr (kDqOwnKeys) {
       return make_tiled_mma(
           GMMA::ss_op_selector<Element, Element, float,
                                Shape<Int<kBlockM>, Int<kHeadDim>, Int<kDsKeys>>,
@@ -225,10 +238,23 @@ struct BwdTraitsSm90 {
   // every consumer thread.
   // With two buffers per consumer, a step writes one while the previous
   // step's reduce may still be reading the other.
-  static constexpr int kDqCols = kDqOwnKeys ? kHeadDim : kHeadDim / kConsumerWarpgroups;
+  // A consumer's slice: kDqRows x kDqCols (with kDqSplitRows its rows of the
+  // tile, all head-dim columns).
+  static constexpr int kDqRows = kDqSplitRows ? kBlockM / kConsumerWarpgroups : kBlockM;
+  static constexpr int kDqCols =
+      kDqOwnKeys || kDqSplitRows ? kHeadDim : kHeadDim / kConsumerWarpgroups;
   using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{},
-                                              Shape<Int<kBlockM>, Int<kDqCols>,
+                                              Shape<Int<kDqRows>, Int<kDqCols>,
                                                     Int<kConsumerWarpgroups>, Int<kDqBuffers>>{}));
+  // With kDqSplitRows, the staging buffers as the block_m x head_dim tile:
+  // element ((r, c), d, buffer) is (r, d, c, buffer) of SmemLayoutdQ, so
+  // consumer c's rows land in its own slice.
+  using SmemLayoutdQRows = decltype(composition(
+      SmemLayoutdQ{},
+      make_layout(Shape<Shape<Int<kDqRows>, Int<kConsumerWarpgroups>>, Int<kDqCols>,
+                        Int<kDqBuffers>>{},
+                  Stride<Stride<_1, Int<kDqRows * kDqCols>>, Int<kDqRows>,
+                         Int<kDqRows * kDqCols * kConsumerWarpgroups>>{})));
   // The staging buffers as the transposed dQ^T accumulator sees them: element
   // (d, m, buffer) is (m, d % kDqCols, d / kDqCols, buffer) of SmemLayoutdQ,
   // so each consumer's head-dim rows land in its own slice. A thread's
@@ -290,7 +316,7 @@ struct BwdTraitsSm90 {
   using TmadQ = decltype(make_tma_atom(
       SM90_TMA_REDUCE_ADD{},
       make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), GmemShape{}, GmemStride{}),
-      take<0, 2>(SmemLayoutdQ{}), Shape<Int<kBlockM>, Int<kDqCols>>{}));
+      take<0, 2>(SmemLayoutdQ{}), Shape<Int<kDqRows>, Int<kDqCols>>{}));
 
   // The call's head dim may be below kHeadDim (head_dims.h,
   // sm90_kernel_head_dim): the loads fill the columns past it with zeros, the
