@@ -90,6 +90,9 @@ def main():
     parser.add_argument("--steps", type=int, default=10, help="loop steps in the trace")
     parser.add_argument("--impls", nargs="+", default=["jflash", "cudnn"])
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--no-trace", action="store_true",
+                        help="run each loop once and trace nothing (for a profiler attached "
+                             "from outside, e.g. ncu --launch-count 1)")
     args = parser.parse_args()
     d, s, causal = args.head_dim, args.seq, args.causal == "yes"
     b, h = 16384 // s, 2048 // d
@@ -133,6 +136,9 @@ def main():
           f"{args.mode}; head dim {d}, seq {s}, batch {b}, heads {h}, causal {causal}; "
           f"{args.steps} steps traced")
     for name in args.impls:
+        if args.no_trace:
+            jax.block_until_ready(make_loop(impls[name], args.mode, 1)(q, k, v))
+            continue
         try:
             per_name, span = profile(impls[name], args.mode, q, k, v, args.steps)
         except Exception as e:  # the peer may be unavailable; say so and go on
