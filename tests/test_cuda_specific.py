@@ -174,6 +174,10 @@ SEGMENT_CASES = [
     (2, 255, 257, 2, 2, 64, False, None, "disjoint"),  # rows and keys with no partner
     (1, 200, 300, 2, 1, 80, False, (30, 30), "random"),  # head dim 80 runs 128's kernels
     (1, 130, 130, 2, 2, 32, True, None, "packed"),  # head dim 32 runs 64's kernels
+    # Head dim 128 steps 80 query rows (masked after dS^T): lengths that are
+    # multiples of 80 and not of 64, documents across the steps' edges.
+    (1, 1040, 1040, 4, 2, 128, True, (300, 0), "shuffled"),
+    (2, 560, 720, 4, 4, 128, False, None, "packed"),
 ]
 
 

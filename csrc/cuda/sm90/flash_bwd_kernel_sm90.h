@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       return;
     }
-    if (steps.num_steps > 0) load_kv_qdo(args, smem, tiles, steps, n_block, kv_head, batch);
+    if (steps.num_steps > 0) load_kv_qdo<Traits, Mask>(args, smem, tiles, steps, n_block, kv_head, batch);
     return;
   }
 

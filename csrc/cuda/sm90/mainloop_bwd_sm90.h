@@ -34,8 +34,9 @@ using namespace cute;
 //
 // The producer's loads (one thread of warp 0): the key block's K and V once,
 // then each step's Q and dO tiles into the ring of q_stages buffers, a buffer
-// refilled once every consumer warp has released it (qdo_empty).
-template <typename Traits, typename Steps, typename SmemTensors>
+// refilled once every consumer warp has released it (qdo_empty); with
+// Traits::kStepMaskFlags also whether the step's tile is masked.
+template <typename Traits, typename Mask, typename Steps, typename SmemTensors>
 __device__ __forceinline__ void load_kv_qdo(const BwdArgsSm90<Traits>& args,
                                             typename Traits::SharedStorage& smem,
                                             const SmemTensors& tiles, const Steps& steps,
@@ -68,8 +69,21 @@ __device__ __forceinline__ void load_kv_qdo(const BwdArgsSm90<Traits>& args,
     auto [tdOgdO, tdOsdO] = tma_partition(args.tma_dout, Int<0>{}, Layout<_1>{},
                                           group_modes<0, 2>(sdO), group_modes<0, 2>(q_tile(mdO)));
     const RingSlot<kStages> slot(step);
-    producer_acquire(&smem.qdo_empty[slot.stage], &smem.qdo_full[slot.stage], slot.phase,
-                     2 * Traits::kQBytes);
+    if constexpr (Traits::kStepMaskFlags) {
+      // The tile's class, asked before the wait for the buffer.
+      const int row0 = m_block * kBlockM;
+      const int key0 = n_block * Traits::kBlockN;
+      const Mask mask(params.mask, batch);
+      const int32_t masked =
+          key0 + Traits::kBlockN > params.seqlen_k ||
+          mask.tile_class(row0, min(row0 + kBlockM, params.seqlen_q), key0,
+                          key0 + Traits::kBlockN) != TileClass::kFull;
+      producer_acquire(&smem.qdo_empty[slot.stage], &smem.qdo_full[slot.stage], slot.phase,
+                       2 * Traits::kQBytes, [&] { smem.step_masked.at[slot.stage] = masked; });
+    } else {
+      producer_acquire(&smem.qdo_empty[slot.stage], &smem.qdo_full[slot.stage], slot.phase,
+                       2 * Traits::kQBytes);
+    }
     copy(args.tma_q.with(smem.qdo_full[slot.stage]), tQgQ, tQsQ(_, slot.stage));
     copy(args.tma_dout.with(smem.qdo_full[slot.stage]), tdOgdO, tdOsdO(_, slot.stage));
   }
@@ -191,8 +205,10 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
   // zeros whatever the score was (inf, NaN).
   // (Not with softcap, whose dV operand is a copy of its own, made in the
   // exponent loop.)
-  constexpr bool kLateMask =
-      kLateDv && !Mask::kDense && !Mask::kHasSegments && kScore != ScoreKind::kSoftcap;
+  // Segment ids alike (Traits::kStepMaskFlags, segment_hide_late), their keys'
+  // row ranges read again for the late pass rather than kept.
+  constexpr bool kLateMask = kLateDv && !Mask::kDense && kScore != ScoreKind::kSoftcap;
+  static_assert(Traits::kStepMaskFlags == (kLateMask && Mask::kHasSegments));
   const int lane = tidx % 32;
   const bool warp_leader = lane == 0;
   // Named barriers (CUTLASS numbering, past its reserved ones). The dS
@@ -291,7 +307,7 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
     bool seg_needs_mask = false;
     int seg_lo[kRows], seg_hi[kRows];
     IdBits seg_same = ~IdBits{0};
-    if constexpr (Mask::kHasSegments) {
+    if constexpr (Mask::kHasSegments && !kLateMask) {
       seg_needs_mask =
           segment_rows<kBlockM, kCols>(mask, params, cS_rc, key0, row0, seg_lo, seg_hi, seg_same);
     }
@@ -306,6 +322,7 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
     warpgroup_wait<1>();
     warpgroup_fence_operand(acc_s);
     Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+    // (Segment ids with kLateMask: the producer's flag, read late below.)
     const bool needs_mask =
         Mask::kHasSegments
             ? seg_needs_mask
@@ -410,7 +427,11 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
     }
     // kLateMask: the band's mask, on P^T (the dV product's operand, converted
     // below) and dS^T alike.
-    if constexpr (kLateMask) {
+    if constexpr (kLateMask && Mask::kHasSegments) {
+      if (smem.step_masked.at[stage]) {
+        segment_hide_late<kRows, kCols>(mask, params, cS_rc, key0, row0, s_rc, dp_rc);
+      }
+    } else if constexpr (kLateMask) {
       if (needs_mask) {
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {

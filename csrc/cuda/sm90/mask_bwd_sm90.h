@@ -66,4 +66,51 @@ __device__ __forceinline__ bool segment_rows(const Mask& mask, const BwdParams& 
   return seg_needs_mask;
 }
 
+// The same for a step whose mask is applied late (kLateMask in the main
+// loop: after dS^T, where the 80-row step has registers for it and not
+// before), on a step whose tile class is not full: P^T (s_rc) and dS^T
+// (dp_rc) set to 0 where the row does not see the key. The keys' row ranges
+// are read here (L1 hits) rather than kept through the step; where a key's
+// rows are not contiguous the ids are compared, the rows' read one after
+// the other as in segment_rows.
+template <int kRows, int kCols, typename Mask, typename CoordsRowCol, typename Scores>
+__device__ __forceinline__ void segment_hide_late(const Mask& mask, const BwdParams& params,
+                                                  const CoordsRowCol& cS_rc, int key0, int row0,
+                                                  Scores& s_rc, Scores& dp_rc) {
+  int lo[kRows], hi[kRows];
+  bool exact[kRows];
+  bool inexact = false;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const int key = key0 + get<0>(cS_rc(r, 0));
+    const auto rows = key < params.seqlen_k ? mask.key_row_range(key, params.seqlen_q)
+                                            : typename Mask::Range{{0, 0}, true};
+    lo[r] = static_cast<int>(rows.keys.begin);
+    hi[r] = static_cast<int>(rows.keys.end);
+    exact[r] = rows.exact;
+    inexact |= !rows.exact;
+  }
+  inexact = __any_sync(0xffffffff, inexact);
+  int32_t key_id[kRows];
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const int key = key0 + get<0>(cS_rc(r, 0));
+    key_id[r] = !inexact || exact[r] || key >= params.seqlen_k ? 0 : mask.key_segment(key);
+  }
+  int chain = 0;
+  CUTE_UNROLL
+  for (int c = 0; c < kCols; ++c) {
+    int row = row0 + get<1>(cS_rc(0, c));
+    if (inexact) {
+      asm volatile("" : "+r"(row) : "r"(chain));
+      chain = row < params.seqlen_q ? mask.row_segment(row) : 0;
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const bool hidden = row < lo[r] || row >= hi[r] || (!exact[r] && chain != key_id[r]);
+      if (hidden) s_rc(r, c) = dp_rc(r, c) = 0.f;
+    }
+  }
+}
+
 }  // namespace jflash::cuda::sm90

@@ -41,6 +41,16 @@ CUTE_DEVICE void producer_acquire(uint64_t* empty, uint64_t* full, uint32_t phas
   EmptyBarrier::wait(empty, phase ^ 1);
   FullBarrier::arrive_and_expect_tx(full, bytes);
 }
+// The same, with `publish()` run once the buffer is free and before the full
+// barrier is armed: shared-memory stores it makes reach the consumers with
+// the buffer (the arrival releases them, the consumers' wait acquires them).
+template <typename Publish>
+CUTE_DEVICE void producer_acquire(uint64_t* empty, uint64_t* full, uint32_t phase, uint32_t bytes,
+                                  Publish&& publish) {
+  EmptyBarrier::wait(empty, phase ^ 1);
+  publish();
+  FullBarrier::arrive_and_expect_tx(full, bytes);
+}
 
 // Consumer: waits until fill `phase` of the buffer has landed.
 CUTE_DEVICE void consumer_wait(uint64_t* full, uint32_t phase) { FullBarrier::wait(full, phase); }

@@ -129,6 +129,14 @@ struct BwdTraitsSm90 {
   // and delta as well, 8 with dV after dK alone, none with both.
   static constexpr bool kTightRegisters =
       !kPdSShared && kPeakRegisters > kConsumerRegisters - 16;
+  // Segment ids on the register-tight step, masked late (kLateMask in the
+  // main loop): whether a step's tile needs the mask at all (its class from
+  // the ids' block summaries) is found by the producer as it loads the step's
+  // Q and dO and handed over in shared memory (step_masked below). Asked by
+  // the consumers themselves, the summaries' dependent loads and 64-bit
+  // arithmetic took 28% more issue slots than the unmasked kernel's.
+  static constexpr bool kStepMaskFlags = kMaskKind == MaskKind::kSegments &&
+                                         kTightRegisters && kScoreKind != ScoreKind::kSoftcap;
   // S^T = K Q^T, dP^T = V dO^T: M = block_n, N = block_m, K = head_dim; both K-major.
   using TiledMmaSdP = decltype(make_tiled_mma(
       ss_op<Element, Shape<_64, Int<kSdPCols>, Int<kHeadDim>>>(), ConsumerSplit{}));
@@ -340,6 +348,11 @@ struct BwdTraitsSm90 {
   struct NoPBuffers {
     CUTE_DEVICE Element* begin() { return nullptr; }
   };
+  // kStepMaskFlags: per Q/dO buffer, whether its step's tile is masked.
+  struct StepMasks {
+    int32_t at[kStages];
+  };
+  struct NoStepMasks {};
 
 
   struct SharedStorage {
@@ -364,6 +377,7 @@ struct BwdTraitsSm90 {
     // dK and dV staged in the K and V buffers (every consumer warp arrives).
     uint64_t dkv_full;
     std::conditional_t<kPdSShared, PBuffers, NoPBuffers> p;
+    std::conditional_t<kStepMaskFlags, StepMasks, NoStepMasks> step_masked;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024);
