@@ -13,10 +13,32 @@ namespace jflash::cuda::sm90 {
 
 using namespace cute;
 
+// The rows that see each of the thread's keys (kRows of them, at key0 plus
+// the coordinates' rows): the band cut to the rows of the key's id, exact
+// where those rows are contiguous; keys past seqlen_k: none. Returns whether
+// some key of the warp's has rows that are not contiguous.
+template <int kRows, typename Mask, typename CoordsRowCol>
+__device__ __forceinline__ bool thread_key_rows(const Mask& mask, const BwdParams& params,
+                                                const CoordsRowCol& cS_rc, int key0,
+                                                int (&lo)[kRows], int (&hi)[kRows],
+                                                bool (&exact)[kRows]) {
+  bool inexact = false;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const int key = key0 + get<0>(cS_rc(r, 0));
+    const auto rows = key < params.seqlen_k ? mask.key_row_range(key, params.seqlen_q)
+                                            : typename Mask::Range{{0, 0}, true};
+    lo[r] = static_cast<int>(rows.keys.begin);
+    hi[r] = static_cast<int>(rows.keys.end);
+    exact[r] = rows.exact;
+    inexact |= !rows.exact;
+  }
+  return __any_sync(0xffffffff, inexact);
+}
+
 // Segment ids (SegmentMask), for a step of the rows from row0 against the
-// thread's keys: each key's rows (the band cut to the rows of the key's id:
-// exactly the rows that see it where those are contiguous, then the range test
-// is all; keys past seqlen_k: none) into seg_lo, seg_hi, and whether the warp
+// thread's keys: each key's rows (thread_key_rows: where exact, the range
+// test is all) into seg_lo, seg_hi, and whether the warp
 // masks this tile (the block summaries' tile class spilled at head dim 64).
 // Where a key's rows are not contiguous (rare), the ids are compared too, into
 // seg_same (bit r * kCols + c: the same id), the rows' ids read one after the
@@ -29,20 +51,13 @@ __device__ __forceinline__ bool segment_rows(const Mask& mask, const BwdParams& 
                                              const CoordsRowCol& cS_rc, int key0, int row0,
                                              int (&seg_lo)[kRows], int (&seg_hi)[kRows],
                                              IdBits& seg_same) {
-  bool seg_needs_mask = false, seg_inexact = false;
   bool seg_exact[kRows];
+  const bool seg_inexact = thread_key_rows(mask, params, cS_rc, key0, seg_lo, seg_hi, seg_exact);
+  bool seg_needs_mask = false;
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
-    const int key = key0 + get<0>(cS_rc(r, 0));
-    const auto rows = key < params.seqlen_k ? mask.key_row_range(key, params.seqlen_q)
-                                            : typename Mask::Range{{0, 0}, true};
-    seg_lo[r] = static_cast<int>(rows.keys.begin);
-    seg_hi[r] = static_cast<int>(rows.keys.end);
-    seg_exact[r] = rows.exact;
-    seg_inexact |= !rows.exact;
-    seg_needs_mask |= !rows.exact || seg_lo[r] > row0 || seg_hi[r] < row0 + kBlockM;
+    seg_needs_mask |= !seg_exact[r] || seg_lo[r] > row0 || seg_hi[r] < row0 + kBlockM;
   }
-  seg_inexact = __any_sync(0xffffffff, seg_inexact);
   seg_needs_mask = __any_sync(0xffffffff, seg_needs_mask);
   if (seg_inexact) {
     int32_t key_id[kRows];
@@ -79,18 +94,7 @@ __device__ __forceinline__ void segment_hide_late(const Mask& mask, const BwdPar
                                                   Scores& s_rc, Scores& dp_rc) {
   int lo[kRows], hi[kRows];
   bool exact[kRows];
-  bool inexact = false;
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    const int key = key0 + get<0>(cS_rc(r, 0));
-    const auto rows = key < params.seqlen_k ? mask.key_row_range(key, params.seqlen_q)
-                                            : typename Mask::Range{{0, 0}, true};
-    lo[r] = static_cast<int>(rows.keys.begin);
-    hi[r] = static_cast<int>(rows.keys.end);
-    exact[r] = rows.exact;
-    inexact |= !rows.exact;
-  }
-  inexact = __any_sync(0xffffffff, inexact);
+  const bool inexact = thread_key_rows(mask, params, cS_rc, key0, lo, hi, exact);
   int32_t key_id[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
