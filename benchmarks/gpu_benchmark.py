@@ -221,6 +221,9 @@ def backward_record(fwd, fwdbwd):
         rec["median_s"] = fwdbwd["median_s"] - fwd["median_s"]
         rec["tflops"] = common.tflops(rec["flops"], rec["median_s"])
         rec["status"] = "ok"
+        if rec["tflops"] is None:  # tiny calls on a busy CPU: fwdbwd timed below fwd
+            rec["status"] = "not run"
+            rec["note"] = "fwdbwd median not above the fwd median (timing noise)"
     else:
         rec["status"] = "not run"
         rec["note"] = "needs ok fwd and fwdbwd rows"
@@ -274,7 +277,8 @@ def summary_table(records, show_dv=None):
                     base_rate = common.tflops(common.band_flops(
                         base["batch"], seq, seq, base["heads"], head_dim, hi=0,
                         mode=mode, value_head_dim=dv), base["median_s"])
-                variant_ratio = f"{d['tflops'] / base_rate:.2f}"
+                if base_rate and d["tflops"]:
+                    variant_ratio = f"{d['tflops'] / base_rate:.2f}"
             row += [tf(impl), variant_ratio]
         table.append(row)
     headers = ["D", *(["Dv"] if show_dv else []), "seq", "B", "H", "data", "causal", "mode",

@@ -21,6 +21,13 @@ def _run(script, *args):
     return result.stdout
 
 
+def _ok(record):
+    """A record that ran; a derived backward row at these tiny sizes may instead
+    say that the fwdbwd median came out below the fwd median (a busy CPU)."""
+    return record["status"] == "ok" or (
+        record["mode"] == "bwd" and "timing noise" in record.get("note", ""))
+
+
 @pytest.fixture(autouse=True)
 def _one_cpu_device(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "")  # not conftest's 8 host devices
@@ -36,7 +43,7 @@ def test_gpu_benchmark_data_modes(tmp_path):
     # fwd, fwdbwd and the derived bwd, for two impls, per data mode
     assert [r["data"] for r in records] == [d for d in ("normal", "rising", "peaked")
                                             for _ in range(6)]
-    assert all(r["status"] == "ok" for r in records), records
+    assert all(_ok(r) for r in records), records
     table = stdout[stdout.index("D  seq"):]
     assert table.split("\n")[0].split()[4] == "data"
     for data in ("normal", "rising", "peaked"):
@@ -155,7 +162,7 @@ def test_gpu_benchmark_window(tmp_path):
     for r in windowed:
         assert r["flops"] == 4 * 1 * 2 * 32 * pairs * factor[r["mode"]]
     jflash_window = {r["mode"]: r for r in windowed if r["impl"] == "jflash_window"}
-    assert all(r["status"] == "ok" for r in jflash_window.values())
+    assert all(_ok(r) for r in jflash_window.values())
     # checked against a windowed float32 reference: a wrong band would be far off
     assert max(jflash_window["fwdbwd"]["rel_err"].values()) < 2e-2
     assert all(r["status"] != "ok" for r in windowed if r["impl"] == "cudnn_window")
@@ -286,3 +293,25 @@ def test_float32_benchmark(tmp_path):
             assert "max_abs_err" not in r
     header = stdout[stdout.index(" D  seq"):].split("\n")[0]
     assert "3x/1x" in header and "err xla_highest" in header
+
+
+def test_backward_record_when_fwdbwd_times_below_fwd():
+    """The derived backward row of a noisy tiny run: no rate, a reason, and a
+    summary table that still prints (its ratios left empty)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import gpu_benchmark
+    finally:
+        sys.path.pop(0)
+    shape = dict(impl="jflash", head_dim=32, seq=128, batch=1, heads=2, kv_heads=2, causal=True,
+                 dtype="float32", data="normal", status="ok")
+    fwd = dict(shape, mode="fwd", flops=1e9, median_s=4.9e-4, tflops=1e9 / 4.9e-4 / 1e12)
+    fwdbwd = dict(shape, mode="fwdbwd", flops=3.5e9, median_s=3.8e-4, tflops=3.5e9 / 3.8e-4 / 1e12)
+    bwd = gpu_benchmark.backward_record(fwd, fwdbwd)
+    assert bwd["status"] == "not run" and "timing noise" in bwd["note"] and "tflops" in bwd
+    assert bwd["tflops"] is None
+    window = [dict(r, impl="jflash_window", window=[16, 0]) for r in (fwd, fwdbwd, bwd)]
+    table, _ = gpu_benchmark.summary_table([fwd, fwdbwd, bwd, *window])
+    assert "window/causal" in table
+    ok = gpu_benchmark.backward_record(fwd, dict(fwdbwd, median_s=9.8e-4))
+    assert ok["status"] == "ok" and ok["tflops"] == pytest.approx(2.5e9 / 4.9e-4 / 1e12)
