@@ -241,8 +241,10 @@ def test_gpu_benchmark_value_head_dim(tmp_path):
     for r in records:
         assert r["flops"] == pairs[r["causal"]] * per_pair[r["mode"]], r
     jflash = [r for r in records if r["impl"] == "jflash"]
-    assert len(jflash) == 6 and all(r["status"] == "ok" for r in jflash), jflash
+    assert len(jflash) == 6 and all(_ok(r) for r in jflash), jflash
     for r in jflash:
+        if r["status"] != "ok":
+            continue  # a derived backward row below the timing noise (_ok)
         assert r["tflops"] > 0 and r["median_s"] > 0
         assert r["tflops"] == pytest.approx(r["flops"] / r["median_s"] / 1e12)
         if r["mode"] != "bwd":
