@@ -134,7 +134,7 @@ def main():
     }
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; {args.dtype}; "
           f"{args.mode}; head dim {d}, seq {s}, batch {b}, heads {h}, causal {causal}; "
-          f"{args.steps} steps traced")
+          + ("nothing traced (--no-trace)" if args.no_trace else f"{args.steps} steps traced"))
     for name in args.impls:
         if args.no_trace:
             jax.block_until_ready(make_loop(impls[name], args.mode, 1)(q, k, v))

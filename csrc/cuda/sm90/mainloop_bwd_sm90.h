@@ -56,6 +56,10 @@ __device__ __forceinline__ void load_kv_qdo(const BwdArgsSm90<Traits>& args,
   FullBarrier::arrive_and_expect_tx(&smem.kv_full, 2 * Traits::kKBytes);
   copy(args.tma_k.with(smem.kv_full), tKgK, tKsK);
   copy(args.tma_v.with(smem.kv_full), tVgV, tVsV);
+  // Traits::kStepMaskFlags: the CTA's keys, against each step's rows below.
+  constexpr int kBlockN = Traits::kBlockN;
+  const int key0 = n_block * kBlockN;
+  const Mask mask(params.mask, batch);
 
   for (int step = 0; step < steps.num_steps; ++step) {
     int head, m_block;
@@ -69,21 +73,18 @@ __device__ __forceinline__ void load_kv_qdo(const BwdArgsSm90<Traits>& args,
     auto [tdOgdO, tdOsdO] = tma_partition(args.tma_dout, Int<0>{}, Layout<_1>{},
                                           group_modes<0, 2>(sdO), group_modes<0, 2>(q_tile(mdO)));
     const RingSlot<kStages> slot(step);
+    // The tile's class, asked before the wait for the buffer.
+    int32_t masked = 0;
     if constexpr (Traits::kStepMaskFlags) {
-      // The tile's class, asked before the wait for the buffer.
       const int row0 = m_block * kBlockM;
-      const int key0 = n_block * Traits::kBlockN;
-      const Mask mask(params.mask, batch);
-      const int32_t masked =
-          key0 + Traits::kBlockN > params.seqlen_k ||
-          mask.tile_class(row0, min(row0 + kBlockM, params.seqlen_q), key0,
-                          key0 + Traits::kBlockN) != TileClass::kFull;
-      producer_acquire(&smem.qdo_empty[slot.stage], &smem.qdo_full[slot.stage], slot.phase,
-                       2 * Traits::kQBytes, [&] { smem.step_masked.at[slot.stage] = masked; });
-    } else {
-      producer_acquire(&smem.qdo_empty[slot.stage], &smem.qdo_full[slot.stage], slot.phase,
-                       2 * Traits::kQBytes);
+      masked = key0 + kBlockN > params.seqlen_k ||
+               mask.tile_class(row0, min(row0 + kBlockM, params.seqlen_q), key0,
+                               key0 + kBlockN) != TileClass::kFull;
     }
+    producer_acquire(&smem.qdo_empty[slot.stage], &smem.qdo_full[slot.stage], slot.phase,
+                     2 * Traits::kQBytes, [&] {
+                       if constexpr (Traits::kStepMaskFlags) smem.step_masked.at[slot.stage] = masked;
+                     });
     copy(args.tma_q.with(smem.qdo_full[slot.stage]), tQgQ, tQsQ(_, slot.stage));
     copy(args.tma_dout.with(smem.qdo_full[slot.stage]), tdOgdO, tdOsdO(_, slot.stage));
   }

@@ -37,19 +37,18 @@ CUTE_DEVICE void init_buffer_barriers(uint64_t* full, uint64_t* empty, uint32_t 
 // then arms its full barrier for `bytes` of TMA copies. A fresh mbarrier
 // counts as having completed the phase before phase 0, so the first wait on
 // each "empty" barrier passes at once.
-CUTE_DEVICE void producer_acquire(uint64_t* empty, uint64_t* full, uint32_t phase, uint32_t bytes) {
-  EmptyBarrier::wait(empty, phase ^ 1);
-  FullBarrier::arrive_and_expect_tx(full, bytes);
-}
-// The same, with `publish()` run once the buffer is free and before the full
-// barrier is armed: shared-memory stores it makes reach the consumers with
-// the buffer (the arrival releases them, the consumers' wait acquires them).
+// `publish()` runs once the buffer is free and before the full barrier is
+// armed: shared-memory stores it makes reach the consumers with the buffer
+// (the arrival releases them, the consumers' wait acquires them).
 template <typename Publish>
 CUTE_DEVICE void producer_acquire(uint64_t* empty, uint64_t* full, uint32_t phase, uint32_t bytes,
                                   Publish&& publish) {
   EmptyBarrier::wait(empty, phase ^ 1);
   publish();
   FullBarrier::arrive_and_expect_tx(full, bytes);
+}
+CUTE_DEVICE void producer_acquire(uint64_t* empty, uint64_t* full, uint32_t phase, uint32_t bytes) {
+  producer_acquire(empty, full, phase, bytes, [] {});
 }
 
 // Consumer: waits until fill `phase` of the buffer has landed.
