@@ -14,6 +14,11 @@ row maxima that rise along the keys (a bias per 64-key block through the
 first head-dim coordinate), so that the Hopper forward's softmax computes key
 tiles again with fresh maxima (tests/test_cuda_specific.py, rising scores).
 
+`--segments` runs packed documents instead (segment ids; odd document
+lengths, a query document with no key and documents of one token; GQA;
+unmasked and causal): the kernels of segment ids and of the producer's
+per-step tile flags that the Hopper backward stores beside its Q/dO buffers.
+
 With JFLASH_CUDA_SMEM_LIMIT=101376 the same cases run the 99 KB tile column
 (head dims 192 and 256 then cover its 64 x 32 and 4-warp 32 x 32 backward).
 """
@@ -26,7 +31,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jflash
 from jflash._src.flash_attention import attention_band
+
+
+def run_segments(head_dims, dtypes, deterministic, rng, scale):
+    """Packed documents: rows of segment ids, unmasked and causal."""
+    # Per batch entry, the documents' lengths (query side = key side); in
+    # entry 1, query document 7 has no key (its keys carry id 8) and two
+    # documents hold one token.
+    docs = ((300, 1, 129, 77, 500), (80, 1, 1, 400, 211, 3))
+    seq = max(sum(d) for d in docs)
+
+    def ids_of(lengths, last):
+        ids = np.repeat(np.arange(len(lengths)), lengths)
+        return np.concatenate([ids, np.full(seq - len(ids), last)]).astype(np.int32)
+
+    q_ids = np.stack([ids_of(docs[0], 99), ids_of(docs[1], 99)])
+    kv_ids = q_ids.copy()
+    kv_ids[1][kv_ids[1] == 7] = 8
+    kv_ids[1][-5:] = 98  # padding keys of no query's document
+    q_ids, kv_ids = jnp.asarray(q_ids), jnp.asarray(kv_ids)
+    for d, dtype in ((d, jnp.dtype(t)) for d in head_dims for t in dtypes):
+        q = jnp.asarray(rng.standard_normal((2, seq, 8, d)), dtype)
+        k = jnp.asarray(rng.standard_normal((2, seq, 2, d)), dtype)
+        v = jnp.asarray(rng.standard_normal((2, seq, 2, d)), dtype)
+        for causal in (False, True):
+            def loss(q, k, v, causal=causal):
+                out, lse = jflash.flash_attention(
+                    q, k, v, causal=causal, softmax_scale=scale, return_lse=True,
+                    q_segment_ids=q_ids, kv_segment_ids=kv_ids, deterministic=deterministic)
+                return jnp.sum(out.astype(jnp.float32)) + jnp.sum(
+                    jnp.where(jnp.isfinite(lse), lse, 0))
+
+            value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+            finite = bool(np.isfinite(float(value))) and all(
+                np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
+            print(f"{jnp.dtype(dtype).name} d{d} segments 2x{seq} causal {causal}: "
+                  f"loss {float(value):.4f}, finite {finite}")
 
 
 def main():
@@ -35,9 +77,14 @@ def main():
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16"])
     parser.add_argument("--deterministic", action="store_true",
                         help="the backward's deterministic mode (dq added in key-block order)")
+    parser.add_argument("--segments", action="store_true",
+                        help="packed documents (segment ids) instead of the band calls")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     scale = 0.1
+    if args.segments:
+        run_segments(args.head_dims, args.dtypes, args.deterministic, rng, scale)
+        return
     shapes = (  # (batch, seq_q, seq_k, heads, kv_heads, bands, rising)
         (1, 77, 131, 4, 2, ((-77, 131), (-20, -5)), False),
         (6, 700, 650, 16, 4, ((-700, 650), (-700, 650 - 700)), False),

@@ -116,7 +116,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     FullBarrier::init(&smem.kv_full, 1);
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
-      init_buffer_barriers(&smem.qdo_full[s], &smem.qdo_empty[s], Traits::kConsumerThreads / 32);
+      // Released per consumer warp, or per thread with step flags (consume).
+      init_buffer_barriers(&smem.qdo_full[s], &smem.qdo_empty[s],
+                           Traits::kStepMaskFlags ? Traits::kConsumerThreads
+                                                  : Traits::kConsumerThreads / 32);
     }
     CUTE_UNROLL
     for (int c = 0; c < Traits::kConsumerWarpgroups; ++c) {

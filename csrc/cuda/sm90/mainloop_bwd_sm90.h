@@ -35,7 +35,8 @@ using namespace cute;
 // The producer's loads (one thread of warp 0): the key block's K and V once,
 // then each step's Q and dO tiles into the ring of q_stages buffers, a buffer
 // refilled once every consumer warp has released it (qdo_empty); with
-// Traits::kStepMaskFlags also whether the step's tile is masked.
+// Traits::kStepMaskFlags also whether the step's tile is masked (and every
+// consumer thread releases the buffer, consume says why).
 template <typename Traits, typename Mask, typename Steps, typename SmemTensors>
 __device__ __forceinline__ void load_kv_qdo(const BwdArgsSm90<Traits>& args,
                                             typename Traits::SharedStorage& smem,
@@ -499,8 +500,14 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
     warpgroup_fence_operand(acc_dq);
     // Q and dO of this stage are read; the other consumer may still read this
     // dS buffer (unless kOwnKeys), which is written again two steps later,
-    // past its next barrier.
-    consumer_release(&smem.qdo_empty[stage], warp_leader);
+    // past its next barrier. With step flags every consumer thread arrives
+    // (qdo_empty counts threads then): each read the stage's flag, a plain
+    // shared-memory load, and only its own arrival orders that read before the
+    // producer stores the stage's next flag (with one arrival per warp,
+    // compute-sanitizer racecheck reports a WAR hazard there, a __syncwarp
+    // before it or not; the leader's load passed on by a shuffle or vote
+    // spilled 84-100 bytes).
+    consumer_release(&smem.qdo_empty[stage], Traits::kStepMaskFlags || warp_leader);
 
     // dQ_accum += dS K (scaled in the convert kernel): registers -> this
     // consumer's staging buffer -> its writer's TMA reduce-add
