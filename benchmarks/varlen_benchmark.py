@@ -1,8 +1,9 @@
 """jflash.flash_attention_varlen on a batch of sequences of random lengths.
 
 --num-seqs sequences (32) of lengths drawn uniformly from [--min-len, --max-len]
-(128 and 8192; seeded by --seed), bfloat16, --heads 16 of --head-dim 128,
-causal and not, forward and forward+backward. Rows:
+(128 and 8192; seeded by --seed; rounded up to a multiple of --length-multiple),
+bfloat16, --heads 16 of --head-dim 128, causal and not, forward and
+forward+backward. Rows:
 
   jflash_varlen  flash_attention_varlen on the packed tokens [total, H, D], one
                  cu_seqlens array for both sides (self-attention);
@@ -46,13 +47,15 @@ TARGET = 0.90  # varlen / mean, TFLOP/s
 _ASSUMED_FLOPS_PER_S = {"gpu": 4e14, "cpu": 3e10}
 
 
-def random_lengths(num_seqs, low, high, seed):
+def random_lengths(num_seqs, low, high, seed, multiple=1):
+    """Lengths drawn uniformly from [low, high], each rounded up to a multiple."""
     import numpy as np
 
-    if not 1 <= low <= high or num_seqs < 1:
-        raise SystemExit(f"need --num-seqs >= 1 and 1 <= --min-len <= --max-len, got "
-                         f"{num_seqs}, {low}, {high}")
-    return [int(n) for n in np.random.default_rng(seed).integers(low, high + 1, num_seqs)]
+    if not 1 <= low <= high or num_seqs < 1 or multiple < 1:
+        raise SystemExit(f"need --num-seqs >= 1, 1 <= --min-len <= --max-len and "
+                         f"--length-multiple >= 1, got {num_seqs}, {low}, {high}, {multiple}")
+    drawn = np.random.default_rng(seed).integers(low, high + 1, num_seqs)
+    return [int(-(-n // multiple) * multiple) for n in drawn]
 
 
 def useful_flops(lengths, heads, head_dim, causal, mode):
@@ -208,6 +211,9 @@ def main(argv=None):
     parser.add_argument("--min-len", type=int, default=128)
     parser.add_argument("--max-len", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0, help="of the lengths and the data")
+    parser.add_argument("--length-multiple", type=int, default=1,
+                        help="round each length up to a multiple of this (128: every sequence "
+                             "starts and ends on a tile border of the head dim 128 kernels)")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
@@ -224,7 +230,8 @@ def main(argv=None):
     impls = common.comma_list(parser, "--impls", args.impls, IMPLS)
     modes = common.comma_list(parser, "--modes", args.modes, common.MODES)
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
-    lengths = random_lengths(args.num_seqs, args.min_len, args.max_len, args.seed)
+    lengths = random_lengths(args.num_seqs, args.min_len, args.max_len, args.seed,
+                             args.length_multiple)
 
     platform = common.require_gpu(parser, args.allow_cpu)
 

@@ -126,6 +126,16 @@ def test_varlen_benchmark(tmp_path):
     assert "varlen/mean" in table and ">= 0.90" in table
 
 
+def test_varlen_lengths_rounded():
+    sys.path.insert(0, str(BENCHMARKS))
+    import varlen_benchmark
+
+    drawn = varlen_benchmark.random_lengths(40, 1, 300, seed=3)
+    rounded = varlen_benchmark.random_lengths(40, 1, 300, seed=3, multiple=128)
+    assert rounded == [-(-n // 128) * 128 for n in drawn]
+    assert all(n % 128 == 0 for n in rounded) and any(n % 128 for n in drawn)
+
+
 def test_band_pairs():
     sys.path.insert(0, str(BENCHMARKS))
     try:

@@ -137,19 +137,21 @@ struct ScoreMaskSm90 {
   }
 
   // mask_scores under segment ids. [key_lo, key_hi) is the band cut to the keys
-  // of the row's id: for documents stored contiguously exactly the keys the row
-  // sees, so that masking is the band's range test, and a warp masks only the
-  // tiles that a range cuts. A row whose id's keys are not contiguous (rare)
-  // compares ids per element too, in every tile of its range; the keys' ids are
-  // read one after the other (each load's address waits for the last one),
-  // which keeps the score tile's registers free of them (the block summaries'
-  // test for a tile of one id, or the ids loaded together, spilled 160 to 420
-  // bytes).
+  // of the row's id: for documents stored contiguously exactly the keys the
+  // row sees, so that where every row of the warp is exact, masking is the
+  // band's range test and whether a row saw a key in the tile follows from its
+  // range; a warp masks only the tiles that a range cuts (against the
+  // per-element id path below for those tiles too: +3% to +7% on varlen
+  // forwards; docs/cuda_kernels.md, Segment ids, "The range test"). A row
+  // whose id's keys are not contiguous (rare) compares ids per element too, in
+  // every tile of its range; the keys' ids are read one after the other (each
+  // load's address waits for the last one), which keeps the score tile's
+  // registers free of them (the block summaries' test for a tile of one id, or
+  // the ids loaded together, spilled 160 to 420 bytes).
   template <typename ScoresRowCol, typename CoordRowCol>
   __device__ __forceinline__ bool mask_segment_scores(int n_block, ScoresRowCol& s_rc,
                                                       const CoordRowCol& cS_rc) {
     const int key0 = n_block * kBlockN;
-    const Mask mask(params.mask, batch);
     bool cut = false;
     bool inexact = false;
     CUTE_UNROLL
@@ -157,20 +159,36 @@ struct ScoreMaskSm90 {
       cut |= key_lo[r] > key0 || key_hi[r] < key0 + kBlockN;
       inexact |= !row_exact[r];
     }
-    inexact = __any_sync(0xffffffff, inexact);
-    int32_t row_id[kRows] = {};
-    if (inexact) {
+    if (!__any_sync(0xffffffff, inexact)) {
+      if (!__any_sync(0xffffffff, cut)) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) row_seen[r] = true;
+        return false;
+      }
+      // Column c of this thread is key key0 + col0 + dc(c), dc a constant.
+      const int col0 = get<1>(cS_rc(0, 0));
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        const int row = row_begin + get<0>(cS_rc(r, 0));
-        row_id[r] = row_exact[r] ? 0 : mask.row_segment(row);
-        cut |= !row_exact[r];
+        // (An empty range is [end, end): not seen.)
+        row_seen[r] |= key_lo[r] < key_hi[r] && key_lo[r] < key0 + kBlockN && key_hi[r] > key0;
+        const int lo = key_lo[r] - key0 - col0;
+        const int hi = key_hi[r] - key0 - col0;
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; ++c) {
+          const int dc = get<1>(cS_rc(r, c)) - col0;
+          // A zero scale: the scaled score 0 * s, as in mask_scores.
+          const float kept = zero_scale ? s_rc(r, c) * 0.f : s_rc(r, c);
+          s_rc(r, c) = dc >= lo && dc < hi ? kept : (zero_scale ? -INFINITY : hidden_score);
+        }
       }
+      return true;
     }
-    if (!__any_sync(0xffffffff, cut)) {
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) row_seen[r] = true;
-      return false;
+    const Mask mask(params.mask, batch);
+    int32_t row_id[kRows];
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int row = row_begin + get<0>(cS_rc(r, 0));
+      row_id[r] = row_exact[r] ? 0 : mask.row_segment(row);
     }
     // Column c of this thread is key key0 + col0 + dc(c), dc a constant.
     const int col0 = get<1>(cS_rc(0, 0));
@@ -181,13 +199,10 @@ struct ScoreMaskSm90 {
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) {
       const int dc = get<1>(cS_rc(0, c)) - col0;
-      int32_t key_id = 0;
-      if (inexact) {
-        int key = key0 + col0 + dc;
-        asm volatile("" : "+r"(key) : "r"(chain));
-        key_id = key < params.seqlen_k ? mask.key_segment(key) : 0;
-        chain = key_id;
-      }
+      int key = key0 + col0 + dc;
+      asm volatile("" : "+r"(key) : "r"(chain));
+      const int32_t key_id = key < params.seqlen_k ? mask.key_segment(key) : 0;
+      chain = key_id;
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         const int lo = key_lo[r] - key0 - col0;
