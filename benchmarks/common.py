@@ -26,7 +26,7 @@ import json
 import os
 import pathlib
 import platform
-import socket
+import re
 import statistics
 import subprocess
 import time
@@ -251,7 +251,25 @@ def record_failure(rec, exc):
         rec.update(status="unavailable", note=str(exc))
     else:
         rec.update(status="error", note=f"{type(exc).__name__}: {exc}"[:1500],
-                   traceback=traceback.format_exc()[-4000:])
+                   traceback=portable_paths(traceback.format_exc())[-4000:])
+
+
+def portable_paths(text):
+    """A traceback's file names without the machine's folders: relative to the
+    checkout, from site-packages on, or the bare file name."""
+    root = str(BENCHMARKS_DIR.parent) + "/"
+
+    def short(match):
+        path = match.group(1)
+        if path.startswith(root):
+            path = path[len(root):]
+        elif "/site-packages/" in path:
+            path = "site-packages/" + path.split("/site-packages/", 1)[1]
+        else:
+            path = path.rsplit("/", 1)[-1]
+        return f'File "{path}"'
+
+    return re.sub(r'File "(/[^"]*)"', short, text)
 
 
 def add_loop_args(parser):
@@ -376,6 +394,22 @@ def require_gpu(parser, allow_cpu):
     return platform
 
 
+def jflash_source(path):
+    """Where the jflash that ran came from, without the machine's paths: the
+    source tree of this checkout (its build in place) or an installed copy."""
+    here = pathlib.Path(path).resolve()
+    root = BENCHMARKS_DIR.parent
+    return "source tree" if root in here.parents else "installed"
+
+
+def args_record(args, **extra):
+    """The command line of a run for its results file: paths by file name only
+    (a results file names no folders of the machine that wrote it)."""
+    record = dict(vars(args), **extra)
+    return {k: (pathlib.Path(v).name if isinstance(v, pathlib.PurePath) else v)
+            for k, v in record.items()}
+
+
 def environment_record():
     """Who measured what, where: attached to every results file."""
     device = jax.devices()[0]
@@ -383,13 +417,12 @@ def environment_record():
         import jflash
 
         jflash_version = jflash.__version__
-        jflash_file = jflash.__file__
+        jflash_from = jflash_source(jflash.__file__)
         has_cuda = bool(jflash.HAS_CUDA_KERNELS)
     except Exception as exc:  # recorded, not fatal: the peer rows still run
-        jflash_version, jflash_file, has_cuda = f"import failed: {exc!r}"[:300], None, None
+        jflash_version, jflash_from, has_cuda = f"import failed: {exc!r}"[:300], None, None
     return dict(
         date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        hostname=socket.gethostname(),
         machine=platform.machine(),
         platform=device.platform,
         device_kind=device.device_kind,
@@ -399,7 +432,7 @@ def environment_record():
         jax_version=jax.__version__,
         jaxlib_version=jaxlib.__version__,
         jflash_version=jflash_version,
-        jflash_file=jflash_file,
+        jflash_from=jflash_from,
         jflash_has_cuda_kernels=has_cuda,
         jflash_commit=jflash_commit(),
         # Kernel choices made from the environment (JFLASH_CUDA_FORWARD and

@@ -185,7 +185,7 @@ def main(argv=None):
     out_path = args.out or common.default_results_path("cp_chunks", env["device_kind"])
     causals = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
     dtype = jnp.dtype(args.dtype)
-    payload = dict(environment=env, config=vars(args) | {"out": str(out_path)}, records=[])
+    payload = dict(environment=env, config=common.args_record(args, out=out_path), records=[])
     rate = 3e14 if platform == "gpu" else 3e10
     print(f"{env['device_kind']}, jax {env['jax_version']}, commit {env['jflash_commit']}")
     if args.smoke:

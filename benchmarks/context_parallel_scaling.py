@@ -109,7 +109,7 @@ def main(argv=None):
     mesh = jax.make_mesh((n,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
     seq_sharded = NamedSharding(mesh, P(None, "seq"))
     causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
-    payload = dict(environment=env, config=vars(args) | {"out": str(out_path), "devices_used": n},
+    payload = dict(environment=env, config=common.args_record(args, out=out_path, devices_used=n),
                    checks=[], records=[])
     print(f"{n} x {env['device_kind']}, jax {env['jax_version']}, commit {env['jflash_commit']}")
 

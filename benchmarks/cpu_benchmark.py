@@ -180,9 +180,9 @@ def main(argv=None):
         del inputs
 
     env["load_average_end"] = list(os.getloadavg())
-    payload = dict(benchmark="cpu", environment=env, args=vars(args) | {"out": str(args.out)},
+    payload = dict(benchmark="cpu", environment=env, args=common.args_record(args),
                    flop_convention="fwd 4*B*H*Sq*Sk*D, /2 causal; fwdbwd 3.5x fwd", rows=rows)
-    out = args.out or common.default_results_path("cpu", f"{env['hostname']}-{env['machine']}")
+    out = args.out or common.default_results_path("cpu", env["machine"])
     common.write_json(out, payload)
 
     by_key = {(r["seq"], r["mode"], r["impl"]): r for r in rows}

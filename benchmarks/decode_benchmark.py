@@ -366,8 +366,7 @@ def main(argv=None):
     print(f"{env['device_kind']}, jax {env['jax_version']}, jflash {env['jflash_commit']}; "
           f"copy {copy['bandwidth_gbs']:.0f} GB/s; results -> {out}", flush=True)
     payload = dict(benchmark="decode", environment=env, copy=copy, records=[],
-                   args={k: (str(v) if isinstance(v, pathlib.Path) else v)
-                         for k, v in vars(args).items()},
+                   args=common.args_record(args),
                    bandwidth="(bytes of K and V read + bytes written) / time")
     records = payload["records"]
     key = jax.random.key(0)

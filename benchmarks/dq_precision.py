@@ -207,8 +207,7 @@ def main(argv=None):
          "other coords", "err / true"], rows))
     if args.out:
         payload = dict(benchmark="dq_precision", environment=env,
-                       args={k: str(v) if isinstance(v, pathlib.Path) else v
-                             for k, v in vars(args).items()},
+                       args=common.args_record(args),
                        records=records)
         print(f"results: {common.write_json(args.out, payload)}")
 

@@ -207,8 +207,7 @@ def main(argv=None):
     out = args.out or common.default_results_path("float32", env["device_kind"])
     common.print_run_header(env, out)
     payload = dict(benchmark="float32", environment=env,
-                   args={k: (str(v) if isinstance(v, pathlib.Path) else v)
-                         for k, v in vars(args).items()},
+                   args=common.args_record(args),
                    flop_convention="fwd 4*B*H*Sq*Sk*D, /2 causal; fwdbwd 3.5x fwd (the same "
                                    "for every row: 3xTF32's extra MMAs are not credited)",
                    records=[])

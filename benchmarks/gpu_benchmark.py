@@ -366,7 +366,7 @@ def main(argv=None):
         flop_convention = ("fwd 2*B*H*Sq*Sk*(D+Dv), bwd 2*B*H*Sq*Sk*(3*D+2*Dv), /2 causal; "
                            "fwdbwd fwd+bwd")
     payload = dict(benchmark="gpu", environment=env,
-                   args={k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+                   args=common.args_record(args),
                    flop_convention=flop_convention, records=[])
     records = payload["records"]
     for shape, data in ((shape, data) for shape in grid(args) for data in args.data):

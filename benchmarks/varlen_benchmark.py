@@ -244,8 +244,7 @@ def main(argv=None):
           f"{sum(lengths) / len(lengths):.1f}; dense at the mean: batch {batch} x seq {seq}): "
           f"{lengths}", flush=True)
     payload = dict(benchmark="varlen", environment=env,
-                   args={k: (str(v) if isinstance(v, pathlib.Path) else v)
-                         for k, v in vars(args).items()},
+                   args=common.args_record(args),
                    lengths=lengths, mean_shape=dict(batch=batch, seq=seq),
                    flop_convention="useful FLOPs: sum over sequences of 4*H*D*pairs, pairs L*L "
                                    "or L*(L+1)/2 causal; fwdbwd 3.5x fwd; padded rows credited "

@@ -126,6 +126,27 @@ def test_varlen_benchmark(tmp_path):
     assert "varlen/mean" in table and ">= 0.90" in table
 
 
+def test_results_name_no_machine_folders():
+    sys.path.insert(0, str(BENCHMARKS))
+    import argparse
+
+    import common
+
+    args = argparse.Namespace(out=pathlib.Path("/some/machine/dir/run.json"), seqs=[1, 2])
+    assert common.args_record(args, extra=pathlib.Path("/x/y.json")) == {
+        "out": "run.json", "seqs": [1, 2], "extra": "y.json"}
+    root = str(BENCHMARKS.parent)
+    text = (f'File "{root}/benchmarks/common.py", line 1\n'
+            'File "/opt/env/lib/python3.12/site-packages/jax/core.py", line 2\n'
+            'File "/elsewhere/tool.py", line 3\n')
+    assert common.portable_paths(text) == (
+        'File "benchmarks/common.py", line 1\n'
+        'File "site-packages/jax/core.py", line 2\n'
+        'File "tool.py", line 3\n')
+    assert common.jflash_source(f"{root}/jflash/__init__.py") == "source tree"
+    assert common.jflash_source("/opt/env/site-packages/jflash/__init__.py") == "installed"
+
+
 def test_varlen_lengths_rounded():
     sys.path.insert(0, str(BENCHMARKS))
     import varlen_benchmark
