@@ -35,6 +35,19 @@ import jflash
 from jflash._src.flash_attention import attention_band
 
 
+def report(attention, q, k, v, label):
+    """Forward and backward of attention(q, k, v) -> (out, lse) under jit (the
+    kernels the sanitizer watches); prints the loss and whether all is finite."""
+    def loss(q, k, v):
+        out, lse = attention(q, k, v)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    finite = bool(np.isfinite(float(value))) and all(
+        np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
+    print(f"{label}: loss {float(value):.4f}, finite {finite}")
+
+
 def run_segments(head_dims, dtypes, deterministic, rng, scale):
     """Packed documents: rows of segment ids, unmasked and causal."""
     # Per batch entry, the documents' lengths (query side = key side); in
@@ -57,18 +70,13 @@ def run_segments(head_dims, dtypes, deterministic, rng, scale):
         k = jnp.asarray(rng.standard_normal((2, seq, 2, d)), dtype)
         v = jnp.asarray(rng.standard_normal((2, seq, 2, d)), dtype)
         for causal in (False, True):
-            def loss(q, k, v, causal=causal):
-                out, lse = jflash.flash_attention(
+            def attention(q, k, v, causal=causal):
+                return jflash.flash_attention(
                     q, k, v, causal=causal, softmax_scale=scale, return_lse=True,
                     q_segment_ids=q_ids, kv_segment_ids=kv_ids, deterministic=deterministic)
-                return jnp.sum(out.astype(jnp.float32)) + jnp.sum(
-                    jnp.where(jnp.isfinite(lse), lse, 0))
 
-            value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
-            finite = bool(np.isfinite(float(value))) and all(
-                np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
-            print(f"{jnp.dtype(dtype).name} d{d} segments 2x{seq} causal {causal}: "
-                  f"loss {float(value):.4f}, finite {finite}")
+            report(attention, q, k, v,
+                   f"{jnp.dtype(dtype).name} d{d} segments 2x{seq} causal {causal}")
 
 
 def main():
@@ -108,18 +116,13 @@ def main():
             q, k = jnp.asarray(q, dtype), jnp.asarray(k, dtype)
             v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
             for lo, hi in bands:
-                def loss(q, k, v, lo=lo, hi=hi):
-                    out, lse = attention_band(q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi,
-                                              deterministic=args.deterministic)
-                    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(
-                        jnp.where(jnp.isfinite(lse), lse, 0))
+                def attention(q, k, v, lo=lo, hi=hi):
+                    return attention_band(q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi,
+                                          deterministic=args.deterministic)
 
-                value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
-                finite = bool(np.isfinite(float(value))) and all(
-                    np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
-                print(f"{jnp.dtype(dtype).name} d{d} {b}x{sq}x{sk}{' rising' if rising else ''} "
-                      f"band ({lo}, {hi}): "
-                      f"loss {float(value):.4f}, finite {finite}")
+                report(attention, q, k, v,
+                       f"{jnp.dtype(dtype).name} d{d} {b}x{sq}x{sk}{' rising' if rising else ''} "
+                       f"band ({lo}, {hi})")
 
 if __name__ == "__main__":
     main()
