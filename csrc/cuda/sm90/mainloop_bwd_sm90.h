@@ -210,7 +210,7 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
   // Segment ids alike (Traits::kStepMaskFlags, segment_hide_late), their keys'
   // row ranges read again for the late pass rather than kept.
   constexpr bool kLateMask = kLateDv && !Mask::kDense && kScore != ScoreKind::kSoftcap;
-  static_assert(Traits::kStepMaskFlags == (kLateMask && Mask::kHasSegments));
+  static_assert(!(kLateMask && Mask::kHasSegments) || Traits::kStepMaskFlags);
   const int lane = tidx % 32;
   const bool warp_leader = lane == 0;
   // Named barriers (CUTLASS numbering, past its reserved ones). The dS
@@ -310,8 +310,13 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
     int seg_lo[kRows], seg_hi[kRows];
     IdBits seg_same = ~IdBits{0};
     if constexpr (Mask::kHasSegments && !kLateMask) {
-      seg_needs_mask =
-          segment_rows<kBlockM, kCols>(mask, params, cS_rc, key0, row0, seg_lo, seg_hi, seg_same);
+      // A full tile (the producer's flag) needs no key ranges.
+      bool step_masked = true;
+      if constexpr (Traits::kStepMaskFlags) step_masked = smem.step_masked.at[stage];
+      if (step_masked) {
+        seg_needs_mask = segment_rows<kBlockM, kCols>(mask, params, cS_rc, key0, row0, seg_lo,
+                                                      seg_hi, seg_same);
+      }
     }
 
     // P^T = exp2(S^T * scale_log2 - lse_log2); keys outside the band or past

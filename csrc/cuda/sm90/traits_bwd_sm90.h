@@ -134,9 +134,11 @@ struct BwdTraitsSm90 {
   // the ids' block summaries) is found by the producer as it loads the step's
   // Q and dO and handed over in shared memory (step_masked below). Asked by
   // the consumers themselves, the summaries' dependent loads and 64-bit
-  // arithmetic ran 38% more instructions than the unmasked kernel.
-  static constexpr bool kStepMaskFlags = kMaskKind == MaskKind::kSegments &&
-                                         kTightRegisters && kScoreKind != ScoreKind::kSoftcap;
+  // arithmetic ran 38% more instructions than the unmasked kernel. Head dim
+  // 64's segment kernels (not masked late) skip their keys' row ranges on
+  // full tiles by the same flag.
+  static constexpr bool kStepMaskFlags =
+      kMaskKind == MaskKind::kSegments && kScoreKind != ScoreKind::kSoftcap && !kPdSShared;
   // S^T = K Q^T, dP^T = V dO^T: M = block_n, N = block_m, K = head_dim; both K-major.
   using TiledMmaSdP = decltype(make_tiled_mma(
       ss_op<Element, Shape<_64, Int<kSdPCols>, Int<kHeadDim>>>(), ConsumerSplit{}));
