@@ -2,7 +2,7 @@
 
 jflash's FFI targets are not in jax's list of custom calls with a stable ABI,
 so exporting needs DisabledSafetyCheck.custom_call for each target; the
-targets' names carry an ABI version (jflash_fwd_v4) so that a serialized
+targets' names carry an ABI version (jflash_fwd_v5) so that a serialized
 program never binds to a changed handler. The export is lowered for CPU and
 CUDA together (no GPU needed to lower), and the deserialized function must run
 here and give the original function's results.

@@ -1,4 +1,4 @@
-// The ABI of jflash_fwd_v4, jflash_bwd_v6, jflash_decode_v1 and
+// The ABI of jflash_fwd_v5, jflash_bwd_v6, jflash_decode_v1 and
 // jflash_decode_append_v1, written once: arguments, results
 // and attributes in the order jflash/_src/kernel_calls.py passes them. Each
 // platform passes in Ffi::Bind() with its own context (the CUDA stream) already
@@ -28,6 +28,8 @@ auto BindFwd(Binding binding) {
       .template Arg<ffi::AnyBuffer>()            // kv_segment_ranges [batch..., seqlen_k, 2] int32, or empty
       .template Ret<ffi::AnyBuffer>()            // out  like q
       .template Ret<ffi::AnyBuffer>()            // lse  [batch..., num_heads, seqlen_q] float32
+      .template Ret<ffi::AnyBuffer>()            // tile_counter (int32 scratch, one element with
+                                                 // segment ids; empty otherwise)
       .template Attr<float>("softmax_scale")
       .template Attr<int64_t>("diag_lo")
       .template Attr<int64_t>("diag_hi")

@@ -1,4 +1,4 @@
-// XLA FFI handlers for platform "cpu": jflash_fwd_v4, jflash_bwd_v6,
+// XLA FFI handlers for platform "cpu": jflash_fwd_v5, jflash_bwd_v6,
 // jflash_decode_v1 and jflash_decode_append_v1.
 //
 // The CUDA handlers (csrc/ffi/cuda_handlers.cu) bind the same arguments in the
@@ -21,6 +21,7 @@ ffi::Error FwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
                   ffi::AnyBuffer kv_segment_blocks, ffi::AnyBuffer q_segment_ranges,
                   ffi::AnyBuffer kv_segment_ranges, ffi::Result<ffi::AnyBuffer> out,
                   ffi::Result<ffi::AnyBuffer> lse,
+                  ffi::Result<ffi::AnyBuffer> /*tile_counter: the CUDA kernels' scratch*/,
                   float softmax_scale, int64_t diag_lo, int64_t diag_hi, float softcap,
                   int64_t tf32_passes) {
   FwdParams params;

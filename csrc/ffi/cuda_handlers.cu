@@ -329,8 +329,9 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::AnyBuffer q_segment_blocks, ffi::AnyBuffer kv_segment_blocks,
                    ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges,
                    ffi::Result<ffi::AnyBuffer> out,
-                   ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, int64_t diag_lo,
-                   int64_t diag_hi, float softcap, int64_t tf32_passes) {
+                   ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> tile_counter,
+                   float softmax_scale, int64_t diag_lo, int64_t diag_hi, float softcap,
+                   int64_t tf32_passes) {
   FwdParams params;
   const ffi_glue::SegmentBuffers segments{q_segment_ids,    kv_segment_ids,   q_segment_blocks,
                                           kv_segment_blocks, q_segment_ranges, kv_segment_ranges};
@@ -340,6 +341,7 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
     return err;
   }
   if (auto err = ffi_glue::SetTf32Passes(tf32_passes, &params); err.failure()) return err;
+  if (auto err = ffi_glue::SetTileCounter(*tile_counter, &params); err.failure()) return err;
   if (params.batch == 0 || params.seqlen_q == 0 || params.num_heads == 0) {
     return ffi::Error::Success();
   }

@@ -128,6 +128,24 @@ inline ffi::Error SetTf32Passes(int64_t passes, FwdParams* p) {
   return ffi::Error::Success();
 }
 
+// The Hopper forward's schedule counter under segment ids (jflash/params.h,
+// tile_counter): int32, at least one element where the call has segment ids
+// (null where it is empty).
+inline ffi::Error SetTileCounter(ffi::AnyBuffer counter, FwdParams* p) {
+  if (counter.element_count() == 0) {
+    p->tile_counter = nullptr;
+  } else if (counter.element_type() != ffi::DataType::S32) {
+    return ffi::Error::InvalidArgument("jflash: tile_counter must be int32");
+  } else {
+    p->tile_counter = static_cast<int*>(counter.untyped_data());
+  }
+  if (p->mask.segments.q_ids != nullptr && p->tile_counter == nullptr) {
+    return ffi::Error::InvalidArgument(
+        "jflash: a forward call with segment ids needs its int32 tile_counter scratch");
+  }
+  return ffi::Error::Success();
+}
+
 inline ffi::Error FillFwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                 const SegmentBuffers& segments, ffi::AnyBuffer out,
                                 ffi::AnyBuffer lse, float softmax_scale, int64_t diag_lo,

@@ -1,6 +1,6 @@
 """Loads the compiled jflash libraries and registers their XLA FFI targets.
 
-Target names carry an ABI version (``jflash_fwd_v4``): a serialized program
+Target names carry an ABI version (``jflash_fwd_v5``): a serialized program
 (jax.export) that names a target never binds to a handler of a changed ABI.
 The CPU and CUDA handlers share names and argument order, so one ``ffi_call``
 lowers for either platform.
@@ -17,7 +17,7 @@ import jaxlib
 
 from jflash._src import masks
 
-FWD_TARGET = "jflash_fwd_v4"
+FWD_TARGET = "jflash_fwd_v5"
 BWD_TARGET = "jflash_bwd_v6"
 # Decode over a KV cache (jflash.flash_attention_with_kvcache): without and
 # with an append (the latter aliases the caches to two of its results).

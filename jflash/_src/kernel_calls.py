@@ -78,12 +78,14 @@ def _fwd_ffi(q, k, v, *, softmax_scale, diag_lo, diag_hi, segment_ids=None, soft
         (
             jax.ShapeDtypeStruct(q.shape, q.dtype),  # out
             jax.ShapeDtypeStruct((*lead, num_heads, seqlen_q), jnp.float32),  # lse
+            # The Hopper kernels' schedule counter under segment ids (params.h).
+            jax.ShapeDtypeStruct((0 if segment_ids is None else 1,), jnp.int32),
         ),
         # Handlers fold every leading axis into batch, so a vmapped call is one
         # kernel launch over batch * vmap_size, not a loop.
         vmap_method="broadcast_all",
     )
-    return call(
+    out, lse, _ = call(
         q,
         k,
         v,
@@ -94,6 +96,7 @@ def _fwd_ffi(q, k, v, *, softmax_scale, diag_lo, diag_hi, segment_ids=None, soft
         softcap=_softcap_attribute(softcap),
         tf32_passes=_tf32_passes_attribute(q.dtype, tf32_passes),
     )
+    return out, lse
 
 
 # Deterministic mode's int32 counters per (batch, head): two per 32 query rows

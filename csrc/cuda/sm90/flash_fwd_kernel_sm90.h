@@ -1,7 +1,8 @@
 // Hopper forward (sm90a): out, lse <- softmax(scale * Q K^T) V with TMA loads,
 // wgmma products and warp specialization. Persistent: one CTA per SM walks a
 // static sequence of work units (one query block of a head, or under a band
-// one or a pair of them; tile_scheduler_sm90.h says why).
+// one or a pair of them), or under segment ids takes them from a counter
+// (tile_scheduler_sm90.h says why).
 //
 // Roles (warpgroups of 128 threads):
 //   warpgroup 0, the producer: one thread issues TMA copies: each tile's Q
@@ -93,7 +94,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                       Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{});
   typename Mainloop::Softmax softmax(params.softmax_scale_log2);
   Epilogue epilogue(args, smem, tidx, consumer);
-  for (int t = scheduler.first_slot(); t < scheduler.num_slots(); t = scheduler.next_slot(t)) {
+  int popped = 0;  // units taken from the producer (dynamic schedule)
+  for (int t = scheduler.consumer_first(smem.units, popped); t < scheduler.num_slots();
+       t = scheduler.consumer_next(t, smem.units, popped)) {
     const auto tile = scheduler.tile_at(t);
     if (!tile.valid) continue;
     mainloop.mma(tile, acc_o, softmax);
@@ -158,6 +161,14 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& params, const LaunchContext& 
       TileSchedulerSm90<Traits::kBlockM, Traits::kBlockN, Mask>::schedule(params, ctx.sm_count);
   if (schedule.num_ctas < 0) return cudaErrorInvalidValue;
   args.band_units = schedule.units;
+  if constexpr (TileSchedulerSm90<Traits::kBlockM, Traits::kBlockN, Mask>::kDynamic) {
+    // The dynamic schedule's counter starts at 0 in every launch.
+    if (params.tile_counter == nullptr) return cudaErrorInvalidValue;
+    if (cudaError_t err = cudaMemsetAsync(params.tile_counter, 0, sizeof(int), ctx.stream);
+        err != cudaSuccess) {
+      return err;
+    }
+  }
   const dim3 grid(static_cast<unsigned>(schedule.num_ctas));
   kernel<<<grid, Traits::kNThreads, kSmemBytes, ctx.stream>>>(args);
   return cudaGetLastError();

@@ -55,6 +55,7 @@ struct FwdProducerSm90 {
     for (int s = 0; s < Traits::kVStages; ++s) {
       init_buffer_barriers(&smem.v_full[s], &smem.v_empty[s], kConsumerWarps);
     }
+    if constexpr (Scheduler::kDynamic) smem.units.init(Traits::kConsumerThreads);
     cutlass::arch::fence_barrier_init();
   }
 
@@ -91,10 +92,7 @@ struct FwdProducerSm90 {
   // 512-1024 the producer's extra work per short unit cost up to 6-8%.
   static constexpr int kPrefetchTiles = 4;
   static constexpr int kPrefetchMinTiles = 16;
-  __device__ __forceinline__ void prefetch_next(int t) const {
-    const int t_next = scheduler.next_work(t);
-    if (t_next >= scheduler.num_slots()) return;
-    const Tile tile = scheduler.tile_at(t_next);
+  __device__ __forceinline__ void prefetch_tile(const Tile& tile) const {
     auto [q, k, v] = partition(tile);
     cute::prefetch(args.tma_q, get<0>(q));
     for (int i = 0; i < min(Traits::kKStages, tile.n_tiles); ++i) {
@@ -104,34 +102,97 @@ struct FwdProducerSm90 {
       cute::prefetch(args.tma_v, get<0>(v)(_, tile.n_block_begin + i));
     }
   }
+  // The static schedule's next tile after slot t.
+  __device__ __forceinline__ void prefetch_next(int t) const {
+    const int t_next = scheduler.next_work(t);
+    if (t_next >= scheduler.num_slots()) return;
+    prefetch_tile(scheduler.tile_at(t_next));
+  }
+
+  // What load_tile prefetches (functors, not lambdas: a lambda the compiler
+  // does not inline puts its captures in local memory). The static schedule:
+  // the tile of the next slot with work.
+  struct PrefetchNextSlot {
+    const FwdProducerSm90& producer;
+    int t;
+    __device__ __forceinline__ void operator()() const { producer.prefetch_next(t); }
+  };
+  // The dynamic schedule: the unit's other tile, else the next unit's first.
+  struct PrefetchNextUnit {
+    const FwdProducerSm90& producer;
+    int unit, half, next;
+    __device__ __forceinline__ void operator()() const {
+      constexpr int kPer = Scheduler::kTilesPerUnit;
+      const Scheduler& scheduler = producer.scheduler;
+      if (half + 1 < kPer) {
+        const Tile after = scheduler.tile_at(unit * kPer + half + 1);
+        if (after.valid && after.n_tiles > 0) {
+          producer.prefetch_tile(after);
+          return;
+        }
+      }
+      if (next < scheduler.num_units()) {
+        const Tile first = scheduler.tile_at(next * kPer);
+        if (first.n_tiles > 0) producer.prefetch_tile(first);
+      }
+    }
+  };
+
+  // One tile (with work): its Q, then its K and V tiles into the rings;
+  // prefetch() runs kPrefetchTiles tiles before the end of a long one.
+  template <typename Prefetch>
+  __device__ __forceinline__ void load_tile(const Tile& tile, int& q_iter, int& kv_iter,
+                                            const Prefetch& prefetch) const {
+    auto [q, k, v] = partition(tile);
+    auto [tQgQ, tQsQ] = q;
+    auto [tKgK, tKsK] = k;
+    auto [tVgV, tVsV] = v;
+
+    producer_acquire(&smem.q_empty, &smem.q_full, QSlot(q_iter).phase, Traits::kQBytes);
+    copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
+    ++q_iter;
+    const int prefetch_at =
+        tile.n_tiles > kPrefetchMinTiles ? tile.n_tiles - kPrefetchTiles : -1;
+    for (int i = 0; i < tile.n_tiles; ++i, ++kv_iter) {
+      if (i == prefetch_at) prefetch();
+      const KSlot ks(kv_iter);
+      const VSlot vs(kv_iter);
+      const int n_block = tile.n_block_begin + i;
+      producer_acquire(&smem.k_empty[ks.stage], &smem.k_full[ks.stage], ks.phase, Traits::kKVBytes);
+      copy(args.tma_k.with(smem.k_full[ks.stage]), tKgK(_, n_block), tKsK(_, ks.stage));
+      producer_acquire(&smem.v_empty[vs.stage], &smem.v_full[vs.stage], vs.phase, Traits::kKVBytes);
+      copy(args.tma_v.with(smem.v_full[vs.stage]), tVgV(_, n_block), tVsV(_, vs.stage));
+    }
+  }
 
   // Every tile of this CTA. The next tile's Q and first K/V tiles load while
   // the consumers finish this one.
   __device__ __forceinline__ void run() const {
     int kv_iter = 0;  // K/V tiles loaded so far: position in the ring
     int q_iter = 0;   // Q tiles loaded so far
-    for (int t = scheduler.first_slot(); t < scheduler.num_slots(); t = scheduler.next_slot(t)) {
-      const Tile tile = scheduler.tile_at(t);
-      if (!tile.valid || tile.n_tiles == 0) continue;
-      auto [q, k, v] = partition(tile);
-      auto [tQgQ, tQsQ] = q;
-      auto [tKgK, tKsK] = k;
-      auto [tVgV, tVsV] = v;
-
-      producer_acquire(&smem.q_empty, &smem.q_full, QSlot(q_iter).phase, Traits::kQBytes);
-      copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
-      ++q_iter;
-      const int prefetch_at =
-          tile.n_tiles > kPrefetchMinTiles ? tile.n_tiles - kPrefetchTiles : -1;
-      for (int i = 0; i < tile.n_tiles; ++i, ++kv_iter) {
-        if (i == prefetch_at) prefetch_next(t);
-        const KSlot ks(kv_iter);
-        const VSlot vs(kv_iter);
-        const int n_block = tile.n_block_begin + i;
-        producer_acquire(&smem.k_empty[ks.stage], &smem.k_full[ks.stage], ks.phase, Traits::kKVBytes);
-        copy(args.tma_k.with(smem.k_full[ks.stage]), tKgK(_, n_block), tKsK(_, ks.stage));
-        producer_acquire(&smem.v_empty[vs.stage], &smem.v_full[vs.stage], vs.phase, Traits::kKVBytes);
-        copy(args.tma_v.with(smem.v_full[vs.stage]), tVgV(_, n_block), tVsV(_, vs.stage));
+    if constexpr (Scheduler::kDynamic) {
+      // Each unit goes to the consumers (smem.units) before its loads; the
+      // number of units ends them. The next unit is taken from the counter
+      // as this one starts, its latency under this unit's loads.
+      constexpr int kPer = Scheduler::kTilesPerUnit;
+      const int num_units = scheduler.num_units();
+      int unit = blockIdx.x;
+      for (int i = 0;; ++i) {
+        smem.units.push(i, unit);
+        if (unit >= num_units) break;
+        const int next = min(int(gridDim.x) + atomicAdd(args.params.tile_counter, 1), num_units);
+        for (int half = 0; half < kPer; ++half) {
+          const Tile tile = scheduler.tile_at(unit * kPer + half);
+          if (!tile.valid || tile.n_tiles == 0) continue;
+          load_tile(tile, q_iter, kv_iter, PrefetchNextUnit{*this, unit, half, next});
+        }
+        unit = next;
+      }
+    } else {
+      for (int t = scheduler.first_slot(); t < scheduler.num_slots(); t = scheduler.next_slot(t)) {
+        const Tile tile = scheduler.tile_at(t);
+        if (!tile.valid || tile.n_tiles == 0) continue;
+        load_tile(tile, q_iter, kv_iter, PrefetchNextSlot{*this, t});
       }
     }
   }

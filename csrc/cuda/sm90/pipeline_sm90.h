@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include <cute/config.hpp>
+#include <cute/arch/util.hpp>
 #include <cutlass/arch/barrier.h>
 
 namespace jflash::cuda::sm90 {
@@ -59,5 +60,45 @@ CUTE_DEVICE void consumer_wait(uint64_t* full, uint32_t phase) { FullBarrier::wa
 CUTE_DEVICE void consumer_release(uint64_t* empty, bool warp_leader) {
   if (warp_leader) EmptyBarrier::arrive(empty);
 }
+
+// A two-entry ring of int values handed from one producer thread to the
+// consumer threads (the forward's work units under a dynamic schedule):
+// entry i of the sequence lives in value[i % 2]; full counts the producer's
+// arrival, empty every consumer thread's, each after its own read, so that
+// the read is ordered before the producer's next write of the entry (one
+// arrival per warp would leave the other lanes' reads unordered). The value
+// moves through asm volatile shared-memory accesses, which the compiler keeps
+// on their side of the barriers' asm volatile waits and arrivals (those have
+// no memory clobber).
+struct IntRingSm90 {
+  int value[2];
+  uint64_t full[2];
+  uint64_t empty[2];
+
+  // One thread, before any use (then fence_barrier_init and a CTA barrier).
+  CUTE_DEVICE void init(uint32_t consumer_threads) {
+    CUTE_UNROLL
+    for (int s = 0; s < 2; ++s) {
+      EmptyBarrier::init(&full[s], 1);
+      EmptyBarrier::init(&empty[s], consumer_threads);
+    }
+  }
+  // Producer: entry i, once every consumer thread has read entry i - 2.
+  CUTE_DEVICE void push(int i, int v) {
+    const int s = i & 1;
+    EmptyBarrier::wait(&empty[s], ((i >> 1) & 1) ^ 1);
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(cute::cast_smem_ptr_to_uint(&value[s])), "r"(v));
+    EmptyBarrier::arrive(&full[s]);
+  }
+  // Every consumer thread: entry i.
+  CUTE_DEVICE int pop(int i) {
+    const int s = i & 1;
+    EmptyBarrier::wait(&full[s], (i >> 1) & 1);
+    int v;
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(cute::cast_smem_ptr_to_uint(&value[s])));
+    EmptyBarrier::arrive(&empty[s]);
+    return v;
+  }
+};
 
 }  // namespace jflash::cuda::sm90

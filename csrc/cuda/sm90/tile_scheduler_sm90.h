@@ -18,6 +18,7 @@
 #include <cute/int_tuple.hpp>
 
 #include "cuda/sm90/band_units_sm90.h"
+#include "cuda/sm90/pipeline_sm90.h"
 #include "jflash/params.h"
 
 namespace jflash::cuda::sm90 {
@@ -39,6 +40,16 @@ namespace jflash::cuda::sm90 {
 //     Under a window (4096, 0) at seq 16k that pairing left CTAs 0.85 of the
 //     way to an even split (the plateau's blocks paired with each other make
 //     units twice the rising pairs' length); the plateau one per unit, 0.97.
+//   Segment ids (kDynamic): the units' lengths are device data (documents of
+//     any length), so a fixed stride hands some CTAs more work than others
+//     (simulated for 32 documents of 128..8192 tokens, 16 heads, 131 CTAs:
+//     the busiest CTA 3% over the mean unmasked, 7% causal, 18% causal with
+//     documents on tile borders). The CTAs take units from a counter in
+//     order instead (params.tile_counter, zeroed before the launch): the
+//     first unit of CTA c is c, each next one gridDim.x + the counter's old
+//     value, taken by the producer one unit ahead and handed to the
+//     consumers through shared memory (IntRingSm90). Units still run
+//     head-major, so the CTAs running at one time share K/V in L2.
 // Slot t is tile t % kTilesPerUnit of unit t / kTilesPerUnit.
 template <int kBlockM, int kBlockN, typename Mask>
 class TileSchedulerSm90 {
@@ -46,6 +57,7 @@ class TileSchedulerSm90 {
   // The producer loads every key tile of a query block's key range; those
   // that the policy finds empty (segment ids) are computed fully masked.
   static constexpr int kTilesPerUnit = Mask::kDense ? 1 : 2;
+  static constexpr bool kDynamic = Mask::kHasSegments;
 
   // Query blocks of a head.
   CUTE_HOST_DEVICE static int num_m_blocks(const FwdParams& params) {
@@ -70,7 +82,7 @@ class TileSchedulerSm90 {
         // ids cut on the device: these keep the all-paired units (the plans
         // above were measured without ids).
         const BandUnits units = BandUnits::all_paired(m_blocks);
-        result = {units, band_ctas(units, copies, sm_count, /*coprime=*/true)};
+        result = {units, std::min<int64_t>(units.units_per_head() * copies, sm_count)};
       } else {
         // Calls with one shape and mask come back every training step: remember.
         static std::mutex mutex;
@@ -118,12 +130,32 @@ class TileSchedulerSm90 {
         first_slot_(blockIdx.x * kTilesPerUnit) {}
 
   __device__ __forceinline__ int num_slots() const { return num_slots_; }
+  __device__ __forceinline__ int num_units() const { return num_slots_ / kTilesPerUnit; }
   __device__ __forceinline__ int first_slot() const { return first_slot_; }
   // The slot after t for this CTA: the unit's next tile, else the first tile
   // of its next unit.
   __device__ __forceinline__ int next_slot(int t) const {
     return t % kTilesPerUnit == kTilesPerUnit - 1 ? t + 1 + (gridDim.x - 1) * kTilesPerUnit
                                                   : t + 1;
+  }
+
+  // The consumers' first slot, and the slot after t; num_slots() past their
+  // last. Dynamic: a unit's tiles in turn, then the producer's next unit from
+  // `units` (`popped`: entries read so far).
+  __device__ __forceinline__ int consumer_first(IntRingSm90& units, int& popped) const {
+    if constexpr (kDynamic) {
+      const int unit = units.pop(popped++);
+      return unit < num_units() ? unit * kTilesPerUnit : num_slots_;
+    } else {
+      return first_slot_;
+    }
+  }
+  __device__ __forceinline__ int consumer_next(int t, IntRingSm90& units, int& popped) const {
+    if constexpr (kDynamic) {
+      return t % kTilesPerUnit != kTilesPerUnit - 1 ? t + 1 : consumer_first(units, popped);
+    } else {
+      return next_slot(t);
+    }
   }
 
   __device__ __forceinline__ Tile tile_at(int t) const {

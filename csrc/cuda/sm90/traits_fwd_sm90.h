@@ -11,6 +11,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "cuda/sm90/band_units_sm90.h"
+#include "cuda/sm90/pipeline_sm90.h"
 #include "cuda/tile_sizes.h"
 #include "jflash/params.h"
 
@@ -145,6 +146,9 @@ struct FwdTraitsSm90 {
     uint64_t v_full[kVStages];
     uint64_t k_empty[kKStages];
     uint64_t v_empty[kVStages];
+    // The dynamic schedule's work units (TileSchedulerSm90::kDynamic); last,
+    // so that the other kernels' layout did not move.
+    IntRingSm90 units;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024);

@@ -74,6 +74,10 @@ struct FwdParams {
   // that no other field moved. The half-precision kernels and the CPU kernels
   // (float32 arithmetic) ignore it.
   int tf32_passes = 1;
+
+  // int32 scratch of the Hopper forward under segment ids: the counter its
+  // CTAs take work units from (zeroed by the launcher); null elsewhere.
+  int* tile_counter = nullptr;
 };
 
 // Counters per (batch, head) in dq_semaphore: two per 32 query rows, enough for
