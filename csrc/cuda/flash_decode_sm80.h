@@ -53,12 +53,16 @@ struct DecodeTraitsSm80 : BaseTraits<Element_, kHeadDim_, 128> {
   static constexpr int kBlockM = 16 * kWarpsM;  // rows per CTA
   static constexpr DecodeTile kTile = decode_tile(kHeadDim);
   static constexpr int kBlockN = kTile.block_n;
+  static_assert(kTile.stages >= 1 && kTile.stages <= kMaxDecodeStages);
   static constexpr int kWarpKeys = kBlockN / kWarpsN;  // keys of a tile per warp
   static_assert(kWarpKeys % 16 == 0, "P V takes a warp's keys 16 at a time");
   // Q stays in registers across the tiles (head_dim / 4 words per thread) up
   // to head dim 128; at 256 the output accumulator needs them, and Q's
   // fragments are read from shared memory per tile.
   static constexpr bool kQInRegisters = kHeadDim <= 128;
+  // CTAs per SM the registers must allow (the launch bound): the work is
+  // latency-bound per warp, so the SM needs several CTAs' warps (tile_sizes.h).
+  static constexpr int kMinBlocksPerSm = kWarpsN == 4 ? kTile.ctas_per_sm : 1;
 
   // One warp's products: S (16 x warp keys) = Q K^T and O (16 x head_dim) += P V.
   using TiledMma = TiledMMA<MmaAtom16816<Element>, Layout<Shape<_1, _1, _1>>, Tile<_16, _16, _16>>;
@@ -101,10 +105,8 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
 // Waits until at most `pending` cp.async groups are in flight (an immediate in
 // PTX, hence the branches).
 __device__ __forceinline__ void cp_async_wait_pending(int pending) {
-  static_assert(kMaxDecodeStages - 2 == 4, "one case per pending count");
+  static_assert(kMaxDecodeStages - 2 == 2, "one case per pending count");
   switch (pending) {
-    case 4: cp_async_wait<4>(); break;
-    case 3: cp_async_wait<3>(); break;
     case 2: cp_async_wait<2>(); break;
     case 1: cp_async_wait<1>(); break;
     default: cp_async_wait<0>(); break;
@@ -149,7 +151,7 @@ __device__ __forceinline__ void append_new_rows(const DecodeParams& p, int batch
 }
 
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads)
+__global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     flash_decode_kernel(const __grid_constant__ DecodeParams params, const int stages) {
   using Element = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -188,6 +190,11 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   const int end_tile =
       keys.begin < keys.end ? ceil_div(static_cast<int>(keys.end), kBlockN) : first_tile;
   const TileSpan span = split_tiles(first_tile, end_tile, split, params.num_splits);
+  // Keys that every row of the block sees: the band's bounds rise with the
+  // row, so they run from the last row's first key to the first row's end.
+  // Tiles inside need no per-element mask (tested once here, not per tile).
+  const int full_begin = static_cast<int>(mask.row_keys(query_end - 1, lens.total).begin);
+  const int full_end = static_cast<int>(mask.row_keys(query_first, lens.total).end);
 
   // ---- Loads: 16-byte chunks, kRowsPerPass rows per pass of the CTA.
   constexpr int kChunks = kHeadDim / 8;
@@ -213,8 +220,37 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   const int64_t new_head = batch * params.new_batch_stride + kv_head * params.new_head_stride +
                            chunk * 8;
   Element* ring = smem + Traits::kQElements;
+  const bool paged = params.block_table != nullptr;
+  // A contiguous cache is one block per sequence: row `key` (< lens.cache <=
+  // capacity) lies at key * row_stride within it, no division needed.
+  const int64_t sequence_rows = int64_t{batch} * params.cache_block_stride + cache_head;
   auto load_tile = [&](int tile, int stage) {
     Element* k_stage = ring + stage * 2 * Traits::kTileElements;
+    const int key0 = tile * kBlockN;
+    if (key0 + kBlockN <= lens.cache) {
+      // The common case, every row from the cache: no per-row tests, and one
+      // address per 16-row group, whose rows share a block of a paged cache
+      // (block_size is a multiple of 16). A warp's instructions per tile bound
+      // the kernel (docs/decode.md), and these were 40% of them. Not unrolled
+      // over the groups: unrolled, the hoisted addresses spill at the launch
+      // bound's registers.
+#pragma unroll 1
+      for (int g = 0; g < kBlockN; g += 16) {
+        const int first = key0 + g + pass_row;  // pass_row < kRowsPerPass <= 16
+        const int64_t group = paged ? cache_row_offset(params, batch, first) + cache_head
+                                    : sequence_rows + int64_t{first} * params.cache_row_stride;
+        CUTE_UNROLL
+        for (int j = 0; j < 16; j += kRowsPerPass) {
+          const int r = g + pass_row + j;
+          const int64_t offset = group + int64_t{j} * params.cache_row_stride;
+          Element* dst = k_stage + (r / kWarpKeys) * Traits::kSliceElements +
+                         typename Traits::SmemLayoutKV{}(r % kWarpKeys, chunk * 8);
+          cp_async_16(dst, k_cache + offset, true);
+          cp_async_16(dst + Traits::kTileElements, v_cache + offset, true);
+        }
+      }
+      return;
+    }
     CUTE_UNROLL
     for (int r = pass_row; r < kBlockN; r += kRowsPerPass) {
       const int key = tile * kBlockN + r;
@@ -321,9 +357,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       s(i) = softcap ? cap_log2 * fast_tanh(s(i) * score_scale) : s(i) * score_scale;
     }
     const int tile_key0 = tile * kBlockN;
-    if (tile_key0 + kBlockN > lens.total ||
-        mask.tile_class(query_first, query_end, tile_key0, tile_key0 + kBlockN) !=
-            TileClass::kFull) {
+    if (tile_key0 < full_begin || tile_key0 + kBlockN > full_end) {
       const int key0 = tile_key0 + warp_n * kWarpKeys;
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {

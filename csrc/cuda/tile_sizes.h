@@ -386,26 +386,36 @@ constexpr Sm90BwdTile sm90_bwd_tile(int head_dim, MaskKind mask,
 
 // Decode (flash_decode_sm80.h): 4 warps per CTA, whose rows are a kv head's
 // query heads times the queries; key tiles of block_n keys (K and V) stream
-// through a ring of shared-memory stages with cp.async. Bandwidth decides:
-// each K and V byte is read once and takes two MMAs, so the ring only has to
-// keep enough bytes in flight to cover HBM's latency (an SM needs ~20-40 KB in
-// flight at 3-5 TB/s and ~1 us). A stage is 2 * block_n * head_dim * 2 bytes
-// (16 / 32 / 64 KB); the preferred depth keeps a CTA near 100-130 KB, two CTAs
-// per SM on sm90 (227 KB) and one on sm80 (163 KB), with 2 or more tiles in
-// flight per CTA. The launcher lowers the depth where the device allows less
-// shared memory per block (1 stage always fits 99 KB). Chosen by this
-// arithmetic; not yet tuned by measurement.
+// through a ring of shared-memory stages with cp.async. Each K and V byte is
+// read once, but what feeds HBM is the warps resident on an SM more than the
+// bytes in flight: a warp's work per tile is a chain of dependent
+// instructions (load addresses, two small products, the online softmax).
+// Measured on an H200 (head dim 128, batch 8, 128k cache, commit 03ea879,
+// 2026-11-29): at 3 stages and two CTAs per SM the kernel issued an
+// instruction every 4.8 cycles per warp, 44% of them waiting on a
+// fixed-latency dependency, with DRAM at 59% of its peak; one CTA per SM with
+// 4-6 stages read half as fast, three CTAs with 2 stages 23% faster. So an
+// entry fixes the CTAs per SM first (ctas_per_sm: the launch bound, which
+// caps the registers so that they allow that many) and then the deepest ring
+// that fits beside them in sm90's 227 KB (a stage is 2 * block_n * head_dim *
+// 2 bytes: 16 / 32 / 64 KB). Head dim 256 has the registers for two CTAs, and
+// two fit only with one stage: each CTA then loads and computes in turn, and
+// the other CTA's loads fill the gaps (measured level with, or up to 3% above,
+// one CTA of 2 stages). The launcher lowers the depth where a device allows
+// less shared memory per block (1 stage always fits 99 KB); on sm80 (163 KB)
+// fewer CTAs fit. Measurements: docs/decode.md, "CTAs per SM".
 struct DecodeTile {
-  int block_n;  // keys per tile, split among the warps that share a row block
-  int stages;   // preferred depth of the K/V ring
+  int block_n;      // keys per tile, split among the warps that share a row block
+  int stages;       // preferred depth of the K/V ring
+  int ctas_per_sm;  // CTAs per SM that the registers must allow (<= 16 rows)
 };
 
 constexpr DecodeTile decode_tile(int head_dim) {
   switch (head_dim) {
-    case 64: return {64, 6};
-    case 128: return {64, 3};
-    case 256: return {64, 2};
-    default: return {0, 0};
+    case 64: return {64, 4, 3};
+    case 128: return {64, 2, 3};
+    case 256: return {64, 1, 2};
+    default: return {0, 0, 0};
   }
 }
 
@@ -421,7 +431,7 @@ constexpr int kDecodeEarlyCombineMaxTiles = 16;
 
 // Deepest ring any entry asks for (the kernel's cp.async wait takes its depth
 // as an immediate, so it branches over 0 .. kMaxDecodeStages - 2).
-constexpr int kMaxDecodeStages = 6;
+constexpr int kMaxDecodeStages = 4;
 
 // smem = (block_m + stages * 2 * block_n) * head_dim * 2 bytes: the query rows,
 // then the ring; the epilogue reuses it all for the warps' float32 outputs.

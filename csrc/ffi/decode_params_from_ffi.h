@@ -98,6 +98,10 @@ inline ffi::Error FillDecodeParams(const DecodeBuffers& b, const DecodeAttrs& a,
       num_heads % num_heads_kv != 0 || block_size < 1) {
     return DecodeShapeError(b, "unsupported head_dim, head counts or block size");
   }
+  if (paged && block_size % kPagedBlockMultiple != 0) {
+    return DecodeShapeError(b, "a paged cache's block_size must be a multiple of " +
+                                   std::to_string(kPagedBlockMultiple));
+  }
   if (b.cache_seqlens.element_count() != batch) {
     return DecodeShapeError(b, "cache_seqlens must hold batch int32s");
   }

@@ -293,7 +293,7 @@ def tf32_passes(precision):
 
 # Rows per block of a paged cache must be a multiple of this (the kernels'
 # key tiles gather whole 16-row runs of a block).
-PAGED_BLOCK_MULTIPLE = 16
+PAGED_BLOCK_MULTIPLE = 16  # kPagedBlockMultiple of csrc/include/jflash/decode.h
 MAX_DECODE_SPLITS = 128  # kMaxDecodeSplits of csrc/include/jflash/decode.h
 
 

@@ -16,6 +16,10 @@ namespace jflash {
 // split's loads fill its pipeline before it ends.
 inline constexpr int kMaxDecodeSplits = 128;
 inline constexpr int kMinDecodeSplitKeys = 256;
+// A paged cache's blocks hold a multiple of this many rows: a key tile's rows
+// come in 16-row runs that lie in one block (the CUDA kernel addresses a run
+// once).
+inline constexpr int kPagedBlockMultiple = 16;
 
 JFLASH_HOST_DEVICE int load_int32(const int32_t* p) {
 #if defined(__CUDA_ARCH__)
