@@ -4,7 +4,8 @@ skipped without a GPU.
 test_decode.py runs the whole option grid on the GPU too. These add what is
 specific to the CUDA tiling: lengths around the 64-key tiles, both warp
 layouts (4 warps across the keys for at most 16 rows per kv head, across 64
-rows otherwise, with several row blocks), head dim 256 (Q read from shared
+rows otherwise, with several row blocks), the table's ring and the deeper one
+of calls that leave SMs' slots empty, head dim 256 (Q read from shared
 memory), the split heuristic choosing many splits, splits that get no tile,
 float32 (a bfloat16 copy of the cache), shallower K/V rings under a 99 KB
 shared-memory limit, and bitwise repeatability.
@@ -38,6 +39,10 @@ CUDA_CASES = [
     Case(seqlens=(63, 64, 65, 127, 128, 129, 1, 0), capacity=192),
     Case(seqlens=(63, 64, 65, 127, 128, 129, 1, 0), capacity=192, num_splits=3, block_size=16,
          seq_new=1),
+    # Enough CTAs to fill every SM's slots: the table's ring (smaller calls
+    # deepen it into the slots they leave empty).
+    Case(seqlens=(4000, 3000, 100, 2500, 4096, 1, 0, 1234), capacity=4096, heads=64,
+         heads_kv=8, block_size=64, seq_new=1),
     # Long caches with the heuristic's split count (> 1 at this batch).
     Case(seqlens=(1000, 4095, 17), capacity=4096, block_size=16, seq_new=1),
     Case(seqlens=(6000,), capacity=8192, heads=64, heads_kv=8, block_size=256),
@@ -98,7 +103,7 @@ def test_repeatable(rng):
     os.environ.get("JFLASH_CUDA_SMEM_LIMIT") != str(SMALL_SMEM_LIMIT),
     reason="run by test_small_smem_rings, in a subprocess with JFLASH_CUDA_SMEM_LIMIT set",
 )
-@pytest.mark.parametrize("case", CUDA_CASES[4:7], ids=Case.id)
+@pytest.mark.parametrize("case", CUDA_CASES[5:8], ids=Case.id)
 def test_small_smem_against_truth(rng, case):
     check_case(rng, case)
 

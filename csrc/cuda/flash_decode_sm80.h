@@ -510,17 +510,41 @@ int decode_num_splits_sm80(int64_t batch, int64_t num_heads_kv, int rows, int64_
   });
 }
 
+// The ring depth of a launch of `ctas` CTAs: the table's where the launch
+// fills the SMs' slots. A short call leaves slots empty (batch 1 and an 8k
+// cache: 264 CTAs of 4 tiles for 396 slots at head dim 128), and its CTAs
+// spend their few tiles mostly waiting for loads with one tile in flight:
+// there the empty slots' shared memory deepens the ring, so that more of a
+// CTA's tiles are in flight at once.
+template <typename Traits>
+int decode_launch_stages(int64_t ctas, const LaunchContext& ctx) {
+  const int table = Traits::stages_for(ctx.smem_limit);
+  const int64_t per_sm = ceil_div(ctas, int64_t{ctx.sm_count});
+  if (per_sm >= Traits::kMinBlocksPerSm) return table;
+  for (int stages = kMaxDecodeStages; stages > table; --stages) {
+    const int smem = Traits::smem_bytes(stages);
+    int fit = 0;
+    if (smem <= ctx.smem_limit && set_decode_smem<Traits>(smem) == cudaSuccess &&
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, &flash_decode_kernel<Traits>,
+                                                      Traits::kNThreads, smem) == cudaSuccess &&
+        fit >= per_sm) {
+      return stages;
+    }
+  }
+  return table;
+}
+
 template <typename Element, int kHeadDim>
 cudaError_t run_flash_decode(const DecodeParams& params, const LaunchContext& ctx) {
   const int rows = decode_rows(params);
   return with_decode_traits<Element, kHeadDim>(rows, [&](auto traits) {
     using Traits = decltype(traits);
-    const int stages = Traits::stages_for(ctx.smem_limit);
-    const int smem = Traits::smem_bytes(stages);
-    if (cudaError_t err = set_decode_smem<Traits>(smem); err != cudaSuccess) return err;
     // The handler checks that the grid fits gridDim.x (2^31 - 1).
     const int64_t ctas = int64_t{params.batch} * params.num_heads_kv * params.num_splits *
                          ceil_div(rows, Traits::kBlockM);
+    const int stages = decode_launch_stages<Traits>(ctas, ctx);
+    const int smem = Traits::smem_bytes(stages);
+    if (cudaError_t err = set_decode_smem<Traits>(smem); err != cudaSuccess) return err;
     flash_decode_kernel<Traits><<<static_cast<unsigned>(ctas), Traits::kNThreads, smem, ctx.stream>>>(
         params, stages);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess || params.num_splits == 1) {
