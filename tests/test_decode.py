@@ -219,25 +219,28 @@ def test_dtype_errors():
 
 
 def test_cuda_split_model():
-    """The CUDA split heuristic on an H100's slots (132 SMs x 2 CTAs at head dim
-    128), without a GPU: the choices docs/decode.md predicts for the benchmark
-    grid (8 kv heads of 8 query rows each; capacities rounded up past one more
-    key to 256-key blocks)."""
+    """The CUDA split heuristic on an H100's or H200's SMs (132, 3 CTAs each at
+    head dim 128), without a GPU: the choices docs/decode.md measures for the
+    benchmark grid (8 kv heads of 8 query rows each; capacities rounded up past
+    one more key to 256-key blocks)."""
     from jflash._src.ffi import decode_num_splits_cuda_model as model
 
-    slots = 132 * 2
-    assert model(1 * 8, slots, 8448) == 33  # one wave of 264 CTAs, 4 tiles each
-    assert model(8 * 8, slots, 8448) == 4  # one wave of 256 CTAs, 32 tiles each (was 33)
-    assert model(8 * 8, slots, 2304) == 4
-    assert model(8 * 8, slots, 131328) == 4
-    assert model(1 * 8, slots, 131328) == 33
-    assert model(1 * 8, slots, 2304) == 9  # each split at least 256 keys
-    assert model(32 * 8, slots, 8448) == 1  # the batch fills the GPU
-    assert model(1, slots, 256) == 1
-    # Splits that leave a run's tile count unchanged are never chosen over fewer.
+    sms, per_sm = 132, 3
+    assert model(1 * 8, sms, per_sm, 8448) == 33  # 264 CTAs: two per SM, 4 tiles each
+    assert model(1 * 8, sms, per_sm, 16640) == 33  # two per SM (44 splits: three, 6 tiles)
+    assert model(1 * 8, sms, per_sm, 33024) == 33
+    assert model(1 * 8, sms, per_sm, 131328) == 49  # within 3% of 33: more CTAs per SM
+    assert model(8 * 8, sms, per_sm, 8448) == 6  # 384 CTAs in one wave
+    assert model(8 * 8, sms, per_sm, 131328) == 6
+    assert model(8 * 8, sms, 2, 131328) == 4  # 6 would not fit one wave of 264
+    assert model(1 * 8, sms, per_sm, 2304) == 9  # each split at least 256 keys
+    assert model(32 * 8, sms, per_sm, 8448) == 1  # the batch alone fills the SMs
+    assert model(1, sms, per_sm, 256) == 1
+    # Only counts that shorten a run's tile count are chosen.
     for units in (1, 3, 8, 20, 64, 100, 200):
         for capacity in (512, 1000, 4096, 8448, 65536):
-            splits = model(units, slots, capacity)
-            tiles = -(-capacity // 64)
-            assert 1 <= splits <= 128
-            assert splits == 1 or -(-tiles // splits) < -(-tiles // (splits - 1))
+            for per in (1, 2, 3):
+                splits = model(units, sms, per, capacity)
+                tiles = -(-capacity // 64)
+                assert 1 <= splits <= 128
+                assert splits == 1 or -(-tiles // splits) < -(-tiles // (splits - 1))

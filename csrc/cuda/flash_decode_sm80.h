@@ -505,8 +505,7 @@ int decode_num_splits_sm80(int64_t batch, int64_t num_heads_kv, int rows, int64_
     const int64_t units = batch * num_heads_kv * ceil_div(rows, Traits::kBlockM);
     const DecodeSplitCost cost{Traits::kBlockN, kCudaDecodeSplitCost.unit_overhead_keys,
                                kCudaDecodeSplitCost.combine_keys};
-    return decode_num_splits(units, int64_t{ctx.sm_count} * (per_sm > 0 ? per_sm : 1), capacity,
-                             cost);
+    return decode_num_splits(units, ctx.sm_count, per_sm, capacity, cost);
   });
 }
 

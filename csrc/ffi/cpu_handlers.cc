@@ -110,16 +110,16 @@ extern "C" __attribute__((visibility("default"))) int jflash_cpu_decode_num_spli
                              jflash::cpu::decode_row_block();
   const int tile = jflash::cpu::decode_key_block();
   return jflash::decode_num_splits(batch * num_heads_kv * row_blocks,
-                                   jflash::cpu::pool_threads(), capacity, {tile, tile, tile});
+                                   jflash::cpu::pool_threads(), 1, capacity, {tile, tile, tile});
 }
 
 // The CUDA kernel's split heuristic for `units` CTAs' work (batch x kv heads
-// x row blocks), `slots` CTAs at once and caches of `capacity` keys, without a
-// GPU (jflash/_src/ffi.py: decode_num_splits_cuda_model): for tests and the
-// design notes' tables (jflash/decode.h, kCudaDecodeSplitCost).
+// x row blocks), `sms` SMs of `per_sm` CTAs each and caches of `capacity`
+// keys, without a GPU (jflash/_src/ffi.py: decode_num_splits_cuda_model): for
+// tests and the design notes' tables (jflash/decode.h, kCudaDecodeSplitCost).
 extern "C" __attribute__((visibility("default"))) int jflash_decode_num_splits_cuda_model(
-    int64_t units, int64_t slots, int64_t capacity) {
-  return jflash::decode_num_splits(units, slots, capacity, jflash::kCudaDecodeSplitCost);
+    int64_t units, int64_t sms, int64_t per_sm, int64_t capacity) {
+  return jflash::decode_num_splits(units, sms, per_sm, capacity, jflash::kCudaDecodeSplitCost);
 }
 
 // The library is built with hidden visibility; export the handler symbols

@@ -132,7 +132,7 @@ DECODE_HEAD_DIMS = _read_list(_cpu_lib.jflash_decode_head_dims)
 
 _DECODE_SPLITS_ARGS = [ctypes.c_int64] * 4  # batch, num_heads_kv, rows, capacity
 _cpu_lib.jflash_cpu_decode_num_splits.argtypes = _DECODE_SPLITS_ARGS
-_cpu_lib.jflash_decode_num_splits_cuda_model.argtypes = [ctypes.c_int64] * 3
+_cpu_lib.jflash_decode_num_splits_cuda_model.argtypes = [ctypes.c_int64] * 4
 if _cuda_lib is not None:
     _cuda_lib.jflash_cuda_decode_num_splits.argtypes = [ctypes.c_int, ctypes.c_int,
                                                         *_DECODE_SPLITS_ARGS]
@@ -247,9 +247,10 @@ def decode_num_splits(on_cpu: bool, dtype, head_dim: int, batch: int, num_heads_
     return splits if splits >= 1 else 1
 
 
-def decode_num_splits_cuda_model(units: int, slots: int, capacity: int) -> int:
+def decode_num_splits_cuda_model(units: int, sms: int, per_sm: int, capacity: int) -> int:
     """The CUDA decode kernel's split heuristic without a GPU (csrc/include/jflash/decode.h,
     kCudaDecodeSplitCost): units = batch * kv heads * row blocks (16 rows each up
-    to 16 rows), slots = SMs * CTAs per SM (H100 at head dim 128: 132 * 2),
+    to 16 rows), sms and CTAs per SM (H100 or H200 at head dim 128: 132 and 3),
     capacity in keys. For tests and the design notes."""
-    return int(_cpu_lib.jflash_decode_num_splits_cuda_model(int(units), int(slots), int(capacity)))
+    return int(_cpu_lib.jflash_decode_num_splits_cuda_model(
+        int(units), int(sms), int(per_sm), int(capacity)))

@@ -104,35 +104,61 @@ struct DecodeSplitCost {
 // ramp and drain).
 inline constexpr DecodeSplitCost kCudaDecodeSplitCost{64, 100, 64};
 
-// num_splits for `units` work units (batch x kv heads x row blocks) of which
-// `slots` run at once (SMs x CTAs per SM, or CPU threads), over caches of
-// `capacity` keys: 1 where the units fill most of a wave; otherwise the split
-// count of least predicted time, waves x (a split's keys + a unit's fixed
-// cost) + the combine's (ties: fewer splits), each split at least
-// kMinDecodeSplitKeys keys. A split's keys are whole tiles, so splits that
-// leave a run's tile count unchanged cost waves and buy nothing. The capacity,
-// not each sequence's length (device data), bounds the splits: the kernels
-// cut each sequence's own key range into num_splits.
-inline int decode_num_splits(int64_t units, int64_t slots, int64_t capacity,
-                             const DecodeSplitCost& cost) {
-  if (units <= 0 || slots <= 0 || units * 5 >= slots * 4) return 1;
+// num_splits for `units` work units (batch x kv heads x row blocks) on
+// `processors` (SMs, or CPU threads) that each run up to `per_processor` units
+// at once, over caches of `capacity` keys. 1 where the units fill most of the
+// slots (processors x per_processor). Otherwise the split count of least
+// predicted time: the units a processor runs, ceil(units x splits /
+// processors), times a split's keys plus a unit's fixed cost, plus the
+// combine's; a processor's bandwidth is shared by the units on it, so the
+// model counts its keys, not its waves. Two rules from the H200 measurements
+// of docs/decode.md ("Choosing the split count"):
+//   - Counts that leave most processors with one unit are not considered
+//     where the capacity allows two: an SM with one CTA streams slowly (a
+//     CTA's loads wait on its own warps' work).
+//   - Where the least time splits at all, the most splits in one wave whose
+//     time is within 3% of it are taken: more CTAs per SM hide more latency,
+//     which the model does not see.
+// Each split holds at least kMinDecodeSplitKeys keys, and a split's keys are
+// whole tiles, so only counts that shorten a run's tile count are candidates.
+// The capacity, not each sequence's length (device data), bounds the splits:
+// the kernels cut each sequence's own key range into num_splits.
+inline int decode_num_splits(int64_t units, int64_t processors, int64_t per_processor,
+                             int64_t capacity, const DecodeSplitCost& cost) {
+  if (per_processor < 1) per_processor = 1;
+  const int64_t slots = processors * per_processor;
+  if (units <= 0 || processors <= 0 || units * 5 >= slots * 4) return 1;
   int64_t most = (capacity + kMinDecodeSplitKeys - 1) / kMinDecodeSplitKeys;
   most = most < 1 ? 1 : (most > kMaxDecodeSplits ? kMaxDecodeSplits : most);
   const int64_t tile = cost.tile_keys > 0 ? cost.tile_keys : 1;
   const int64_t tiles = (capacity + tile - 1) / tile;
-  int best_splits = 1;
-  int64_t best = -1;
-  for (int64_t splits = 1; splits <= most; ++splits) {
-    const int64_t waves = (units * splits + slots - 1) / slots;
-    const int64_t keys = (tiles + splits - 1) / splits * tile;
-    const int64_t time = waves * (keys + cost.unit_overhead_keys) +
-                         (splits > 1 ? cost.combine_keys : 0);
-    if (best < 0 || time < best) {
-      best = time;
-      best_splits = static_cast<int>(splits);
+  const auto run_tiles = [&](int64_t splits) { return (tiles + splits - 1) / splits; };
+  const auto time = [&](int64_t splits) {
+    const int64_t per = (units * splits + processors - 1) / processors;
+    return per * (run_tiles(splits) * tile + cost.unit_overhead_keys) +
+           (splits > 1 ? cost.combine_keys : 0);
+  };
+  // The fewest splits that give most processors two units, where possible.
+  const int64_t fill = processors * (per_processor < 2 ? per_processor : 2) * 4 / 5;
+  int64_t least = (fill + units - 1) / units;
+  if (least < 1 || least > most) least = 1;
+  while (least > 1 && run_tiles(least - 1) == run_tiles(least)) --least;  // same runs, fewer CTAs
+  const auto candidate = [&](int64_t splits) {
+    return splits == least || run_tiles(splits) < run_tiles(splits - 1);
+  };
+  int64_t best_splits = least;
+  for (int64_t splits = least + 1; splits <= most; ++splits) {
+    if (candidate(splits) && time(splits) < time(best_splits)) best_splits = splits;
+  }
+  if (best_splits > 1) {
+    const int64_t limit = time(best_splits) * 103 / 100;
+    for (int64_t splits = most; splits > best_splits; --splits) {
+      if (candidate(splits) && units * splits <= slots && time(splits) <= limit) {
+        return static_cast<int>(splits);
+      }
     }
   }
-  return best_splits;
+  return static_cast<int>(best_splits);
 }
 
 }  // namespace jflash
