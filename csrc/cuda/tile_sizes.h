@@ -394,7 +394,7 @@ constexpr Sm90BwdTile sm90_bwd_tile(int head_dim, MaskKind mask,
 // 2026-11-29): at 3 stages and two CTAs per SM the kernel issued an
 // instruction every 4.8 cycles per warp, 44% of them waiting on a
 // fixed-latency dependency, with DRAM at 59% of its peak; one CTA per SM with
-// 4-6 stages read half as fast, three CTAs with 2 stages 23% faster. So an
+// 4-6 stages read at ~0.6x that rate, three CTAs with 2 stages 19-25% faster. So an
 // entry fixes the CTAs per SM first (ctas_per_sm: the launch bound, which
 // caps the registers so that they allow that many) and then the deepest ring
 // that fits beside them in sm90's 227 KB (a stage is 2 * block_n * head_dim *
