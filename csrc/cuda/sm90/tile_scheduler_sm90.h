@@ -80,9 +80,11 @@ class TileSchedulerSm90 {
       if constexpr (Mask::kHasSegments) {
         // The band's lengths say little about a packed row's tiles, which the
         // ids cut on the device: these keep the all-paired units (the plans
-        // above were measured without ids).
+        // above were measured without ids). One CTA per unit up to the SM
+        // count, not a coprime count: the dynamic schedule hands units out in
+        // order, so no CTA is tied to some residues of the units per head.
         const BandUnits units = BandUnits::all_paired(m_blocks);
-        result = {units, std::min<int64_t>(units.units_per_head() * copies, sm_count)};
+        result = {units, band_ctas(units, copies, sm_count, /*coprime=*/false)};
       } else {
         // Calls with one shape and mask come back every training step: remember.
         static std::mutex mutex;
