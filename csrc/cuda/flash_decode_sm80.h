@@ -133,22 +133,53 @@ __device__ __forceinline__ DecodeUnit decode_unit(const DecodeParams& p, int row
 }
 
 // k_new, v_new of (batch, kv head) -> the cache rows at the clamped length.
+// Chunk i of the 2 * seqlen_new * kChunks 16-byte chunks (K's rows, then V's)
+// is copied by thread i % kThreads. The first pass's loads (the chunk, and a
+// paged cache's block id) are issued before the K/V ring's first tiles
+// (`load`) and its stores after them (`store`): issued after them, the loads
+// would return behind the ring's tiles, and the stores' wait hold up the
+// whole CTA (the main loop's first barrier) for that long.
 template <typename Element, int kHeadDim, int kThreads>
-__device__ __forceinline__ void append_new_rows(const DecodeParams& p, int batch, int kv_head,
-                                                int cache_len) {
-  constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
-  for (int i = threadIdx.x; i < p.seqlen_new * kChunks; i += kThreads) {
-    const int t = i / kChunks, chunk = i % kChunks;
-    const int64_t src = batch * p.new_batch_stride + t * p.new_row_stride +
-                        kv_head * p.new_head_stride + chunk * 8;
-    const int64_t dst = cache_row_offset(p, batch, cache_len + t) + kv_head * p.cache_head_stride +
-                        chunk * 8;
-    *reinterpret_cast<uint4*>(static_cast<Element*>(p.k_cache) + dst) =
-        *reinterpret_cast<const uint4*>(static_cast<const Element*>(p.k_new) + src);
-    *reinterpret_cast<uint4*>(static_cast<Element*>(p.v_cache) + dst) =
-        *reinterpret_cast<const uint4*>(static_cast<const Element*>(p.v_new) + src);
+struct NewRowsAppend {
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+  uint4 chunk;  // the first pass's
+  uint4* dst;
+
+  __device__ __forceinline__ static const uint4* source(const DecodeParams& p, int batch,
+                                                        int kv_head, int i) {
+    const int row_chunks = p.seqlen_new * kChunks;
+    const void* base = i < row_chunks ? p.k_new : p.v_new;
+    i = i < row_chunks ? i : i - row_chunks;
+    return reinterpret_cast<const uint4*>(
+        static_cast<const Element*>(base) + batch * p.new_batch_stride +
+        (i / kChunks) * p.new_row_stride + kv_head * p.new_head_stride + (i % kChunks) * 8);
   }
-}
+  __device__ __forceinline__ static uint4* target(const DecodeParams& p, int batch, int kv_head,
+                                                  int cache_len, int i) {
+    const int row_chunks = p.seqlen_new * kChunks;
+    void* base = i < row_chunks ? p.k_cache : p.v_cache;
+    i = i < row_chunks ? i : i - row_chunks;
+    return reinterpret_cast<uint4*>(
+        static_cast<Element*>(base) + cache_row_offset(p, batch, cache_len + i / kChunks) +
+        kv_head * p.cache_head_stride + (i % kChunks) * 8);
+  }
+
+  __device__ __forceinline__ void load(const DecodeParams& p, int batch, int kv_head,
+                                       int cache_len) {
+    if (threadIdx.x < 2 * p.seqlen_new * kChunks) {
+      chunk = *source(p, batch, kv_head, threadIdx.x);
+      dst = target(p, batch, kv_head, cache_len, threadIdx.x);
+    }
+  }
+  __device__ __forceinline__ void store(const DecodeParams& p, int batch, int kv_head,
+                                        int cache_len) const {
+    const int chunks = 2 * p.seqlen_new * kChunks;
+    if (threadIdx.x < chunks) *dst = chunk;
+    for (int i = threadIdx.x + kThreads; i < chunks; i += kThreads) {
+      *target(p, batch, kv_head, cache_len, i) = *source(p, batch, kv_head, i);
+    }
+  }
+};
 
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
@@ -166,8 +197,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   const int tidx = threadIdx.x;
   const int warp = tidx / 32, lane = tidx % 32;
   const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
-  // The combine may launch now: its CTAs wait for this grid's shares at
-  // griddepcontrol.wait, which covers the whole grid and its writes.
+  // Launched as a programmatic dependent of the stream's previous kernel
+  // (sm_90a): nothing above reads memory, and nothing below may before that
+  // kernel's writes are visible. Then the combine may launch: its CTAs wait
+  // for this grid's shares at griddepcontrol.wait, which covers the whole
+  // grid and its writes, and read the call's inputs before it, which the wait
+  // above has made visible.
+  wait_for_prerequisite_grids();
   launch_dependent_grids();
 
   const int group = params.heads_per_kv;
@@ -272,15 +308,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     }
   };
 
+  // Split 0's first row block writes k_new, v_new into the cache.
+  const bool appends = split == 0 && row_block == 0 && params.seqlen_new > 0;
+  NewRowsAppend<Element, kHeadDim, kThreads> append;
+  if (appends) append.load(params, batch, kv_head, lens.cache);
   // Prologue: Q with the first tile in the first cp.async group, then one
   // group per tile up to stages - 1 tiles ahead (empty groups keep the count).
   for (int s = 0; s < max(stages - 1, 1); ++s) {
     if (span.begin + s < span.end) load_tile(span.begin + s, s);
     cp_async_fence();
   }
-  if (split == 0 && row_block == 0 && params.seqlen_new > 0) {
-    append_new_rows<Element, kHeadDim, kThreads>(params, batch, kv_head, lens.cache);
-  }
+  if (appends) append.store(params, batch, kv_head, lens.cache);
 
   // ---- One warp's operands.
   typename Traits::TiledMma tiled_mma;
@@ -544,9 +582,12 @@ cudaError_t run_flash_decode(const DecodeParams& params, const LaunchContext& ct
     const int stages = decode_launch_stages<Traits>(ctas, ctx);
     const int smem = Traits::smem_bytes(stages);
     if (cudaError_t err = set_decode_smem<Traits>(smem); err != cudaSuccess) return err;
-    flash_decode_kernel<Traits><<<static_cast<unsigned>(ctas), Traits::kNThreads, smem, ctx.stream>>>(
-        params, stages);
-    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess || params.num_splits == 1) {
+    // A programmatic dependent launch where the device takes it: the CTAs
+    // start as the previous kernel's last ones end, and wait for its writes.
+    if (cudaError_t err = launch_dependent(ctx, &flash_decode_kernel<Traits>,
+                                           dim3(static_cast<unsigned>(ctas)),
+                                           dim3(Traits::kNThreads), smem, params, stages);
+        err != cudaSuccess || params.num_splits == 1) {
       return err;
     }
     const int64_t rows_total = int64_t{params.batch} * params.num_heads * params.seqlen_q;
@@ -558,7 +599,7 @@ cudaError_t run_flash_decode(const DecodeParams& params, const LaunchContext& ct
         ceil_div(tiles, int64_t{params.num_splits}) <= kDecodeEarlyCombineMaxTiles;
     return launch_dependent(combine_ctx, &flash_decode_combine_kernel<Element, kHeadDim>,
                             dim3(static_cast<unsigned>(ceil_div(rows_total, rows_per_cta))),
-                            dim3(32 * kCombineWarps), params);
+                            dim3(32 * kCombineWarps), 0, params);
   });
 }
 

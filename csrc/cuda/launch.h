@@ -42,11 +42,11 @@ struct LaunchContext {
 // it reads what that grid writes. Elsewhere a plain launch.
 template <typename... Params, typename... Args>
 cudaError_t launch_dependent(const LaunchContext& ctx, void (*kernel)(Params...), dim3 grid,
-                             dim3 block, Args&&... args) {
+                             dim3 block, size_t smem_bytes, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
-  config.dynamicSmemBytes = 0;
+  config.dynamicSmemBytes = smem_bytes;
   config.stream = ctx.stream;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
