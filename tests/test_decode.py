@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jflash
-from decode_cases import Case, check_case, kwargs, make_inputs, truth
+from checks import assert_within_rule
+from decode_cases import Case, check_case, kwargs, make_inputs, plain, truth
 
 # Every option of the issue: contiguous and paged caches (blocks of 16, 64,
 # 256), append or not, MHA / GQA / MQA, windows, softcap, seq_q 1 to 16, empty
@@ -128,23 +129,71 @@ def test_donated_cache_is_updated_in_place(rng, block_size):
     assert f"copy(f32[{','.join(map(str, a['k_cache'].shape))}]" not in text.replace(" ", "")
 
 
-def test_vmap(rng):
-    """vmap over an extra leading axis is the per-slice call."""
-    case = Case(seqlens=(9, 40), capacity=64, block_size=16, seq_new=1, dtype="float32",
-                head_dim=64)
-    slices = [make_inputs(rng, case) for _ in range(2)]
-    names = ("query", "k_cache", "v_cache", "k_new", "v_new", "cache_seqlens", "block_table")
-    stacked = [jnp.stack([s[n] for s in slices]) for n in names]
+# (layout's block size, append, the operands vmapped, folded into one call): a
+# vmapped axis joins the batch where each slice has its own contiguous cache or
+# shares a paged pool that no append writes; otherwise one call per slice.
+_VMAP_NAMES = ("query", "k_cache", "v_cache", "k_new", "v_new", "cache_seqlens", "block_table")
+VMAP_CASES = [
+    (None, True, _VMAP_NAMES, True),
+    (None, False, ("query", "cache_seqlens"), False),  # a cache the slices share
+    (16, False, ("query", "cache_seqlens", "block_table"), True),  # a shared pool, read only
+    (16, True, ("query", "k_new", "v_new", "cache_seqlens", "block_table"), False),
+    (16, True, _VMAP_NAMES, False),  # a pool of each slice's own
+    (None, False, ("query", "k_cache", "v_cache"), True),  # lengths shared
+]
 
-    def call(q, kc, vc, kn, vn, lens, table):
-        return jflash.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k_new=kn,
-                                                   v_new=vn, block_table=table, return_lse=True)
 
-    batched = jax.vmap(call)(*stacked)
-    for i, s in enumerate(slices):
-        one = call(*(s[n] for n in names))
-        for got, want in zip(batched, one):
+@pytest.mark.parametrize("block_size,append,mapped,folded", VMAP_CASES)
+def test_vmap(rng, block_size, append, mapped, folded):
+    """vmap over an extra leading axis gives the per-slice calls' results, exactly
+    (the split count forced: with the heuristic's, a folded call may choose
+    another); the folded calls run as one call, the others as a loop."""
+    case = Case(seqlens=(9, 40), capacity=64, block_size=block_size,
+                seq_new=1 if append else 0, dtype="float32", head_dim=64, num_splits=3)
+    slices = [make_inputs(rng, case) for _ in range(3)]
+    names = [n for n in _VMAP_NAMES if (append or n not in ("k_new", "v_new"))
+             and (block_size or n != "block_table")]
+    args = [jnp.stack([s[n] for s in slices]) if n in mapped else slices[0][n] for n in names]
+    in_axes = [0 if n in mapped else None for n in names]
+
+    def call(*a):
+        kw = dict(zip(names, a, strict=True))
+        q, kc, vc = kw.pop("query"), kw.pop("k_cache"), kw.pop("v_cache")
+        return jflash.flash_attention_with_kvcache(q, kc, vc, num_splits=3, return_lse=True,
+                                                   **kw)
+
+    fn = jax.vmap(call, in_axes=in_axes)
+    assert ("scan[" in str(jax.make_jaxpr(fn)(*args))) != folded
+    batched = jax.jit(fn)(*args)
+    for i in range(len(slices)):
+        one = call(*(x[i] if n in mapped else x for n, x in zip(names, args, strict=True)))
+        for got, want in zip(batched, one, strict=True):
             np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(want))
+
+
+def test_vmap_folded_heuristic_split(rng):
+    """A folded vmap with the split heuristic (which sees the folded batch) and
+    two vmapped axes, under the 2x rule against each slice's truth."""
+    case = Case(seqlens=(300, 5), capacity=320, seq_new=2, seq_q=2, dtype="bfloat16")
+    grid = [[make_inputs(rng, case) for _ in range(2)] for _ in range(2)]
+    names = ("query", "k_cache", "v_cache", "k_new", "v_new", "cache_seqlens")
+    args = [jnp.stack([jnp.stack([s[n] for s in row]) for row in grid]) for n in names]
+
+    def call(q, kc, vc, kn, vn, lens):
+        return jflash.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k_new=kn,
+                                                   v_new=vn, return_lse=True)
+
+    fn = jax.vmap(jax.vmap(call))
+    assert "scan[" not in str(jax.make_jaxpr(fn)(*args))
+    out, lse, k_cache, v_cache = jax.jit(fn)(*args)
+    for i, row in enumerate(grid):
+        for j, arrays in enumerate(row):
+            true_out, true_lse, true_k, true_v = truth(case, arrays)
+            plain_out, plain_lse = plain(case, arrays)
+            assert_within_rule("out", out[i, j], plain_out, true_out, jnp.bfloat16)
+            assert_within_rule("lse", lse[i, j], plain_lse, true_lse, jnp.bfloat16)
+            got_k = np.asarray(jnp.asarray(k_cache[i, j], jnp.float32), np.float64)
+            np.testing.assert_array_equal(got_k, true_k)
 
 
 def test_no_gradient(rng):

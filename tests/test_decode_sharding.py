@@ -223,22 +223,26 @@ def test_explicit_axes_and_bfloat16(rng, set_mesh):
     _assert_same(got, want)
 
 
-def test_vmap_of_sharded_call(rng):
-    """jax.vmap over a leading axis: one call per slice, each still partitioned."""
+@pytest.mark.parametrize("vmapped,batch", [(None, "data"), ("data", None)])
+def test_vmap_of_sharded_call(rng, vmapped, batch):
+    """jax.vmap over a leading axis: folded into one call (each slice's cache its
+    own), still partitioned over the vmapped axis or the batch, and the kv
+    heads, with no collectives."""
     c = Case(seqlens=(37, 0, 120, 64), capacity=128, heads=16, heads_kv=4, head_dim=64,
              dtype="float32", seq_new=1)
     slices = [make_inputs(rng, c) for _ in range(2)]
     names = [n for n in _NAMES if n != "block_table"]
     stacked = [jnp.stack([s[n] for s in slices]) for n in names]
     mesh = _mesh()
-    specs = _specs("data", "model", paged=False)
-    args = [jax.device_put(x, NamedSharding(mesh, P(None, *specs[n])))
+    specs = _specs(batch, "model", paged=False)
+    args = [jax.device_put(x, NamedSharding(mesh, P(vmapped, *specs[n])))
             for x, n in zip(stacked, names, strict=True)]
 
     def call(*a):
         return _call(*a, None, num_splits=2)
 
     fn = jax.jit(jax.vmap(call))
+    assert "scan[" not in str(jax.make_jaxpr(fn)(*args))
     assert _collectives(fn.lower(*args).compile().as_text()) == []
     got = fn(*args)
     for i, s in enumerate(slices):

@@ -2,9 +2,9 @@
 //
 // Shared by the CPU and CUDA handlers. Python (jflash/_src/decode.py)
 // validates every user-facing argument at trace time; these checks guard the
-// ABI and return ffi::Error. Unlike the forward, decode folds no leading
-// axes: its calls are vmapped one slice at a time (vmap_method="sequential"),
-// since a paged cache has no batch axis to fold a vmap into.
+// ABI and return ffi::Error. Unlike the forward's, these buffers have no
+// leading axes: a vmapped axis that Python folds into the call is merged into
+// the batch before it (jflash/_src/decode.py, _decode_branch).
 #pragma once
 
 #include <cmath>

@@ -130,7 +130,8 @@ def _ffi_decode(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, c
     call = jax.ffi.ffi_call(
         _ffi.DECODE_APPEND_TARGET if append else _ffi.DECODE_TARGET,
         results,
-        # A paged cache has no batch axis that a vmapped axis could fold into.
+        # jax.vmap is handled before this call (sharding.py, _vmap_decode); a
+        # vmap reaching it would be one call per slice.
         vmap_method="sequential",
         input_output_aliases={1: 2, 2: 3} if append else None,
     )
@@ -166,6 +167,33 @@ def _unpack(ops, append, paged):
 def _decode_branch(*ops, kind, config, capacity, append, paged, gather_appends_over=()):
     """(out, lse[, k_cache, v_cache]) of one device's call on one platform.
 
+    Leading axes in front of the batch (a folded jax.vmap, sharding.py
+    _vmap_decode) are merged into it, a local reshape that copies nothing; a
+    paged pool has none."""
+    q, k_cache, v_cache, k_new, v_new, seqlens, table = _unpack(ops, append, paged)
+    lead = q.shape[:-4]
+    if not lead:
+        return _decode_flat(*ops, kind=kind, config=config, capacity=capacity, append=append,
+                            paged=paged, gather_appends_over=gather_appends_over)
+
+    def merged(x, trailing):
+        return x.reshape(-1, *x.shape[x.ndim - trailing:])
+
+    flat = [merged(q, 3), k_cache if paged else merged(k_cache, 3),
+            v_cache if paged else merged(v_cache, 3), seqlens.reshape(-1)]
+    flat += [merged(k_new, 3), merged(v_new, 3)] if append else []
+    flat += [merged(table, 1)] if paged else []
+    results = _decode_flat(*flat, kind=kind, config=config, capacity=capacity, append=append,
+                           paged=paged, gather_appends_over=gather_appends_over)
+    out, lse, *caches = results
+    out = out.reshape(q.shape)
+    lse = lse.reshape(*q.shape[:-3], *lse.shape[1:])
+    return (out, lse, *(c.reshape(k_cache.shape) for c in caches))
+
+
+def _decode_flat(*ops, kind, config, capacity, append, paged, gather_appends_over=()):
+    """_decode_branch on operands without leading axes.
+
     kind: "cpu", "gpu" (the native kernels) or "gpu_float32" (a bfloat16 copy of
     the cache, the append done in float32 first). gather_appends_over: the mesh
     axes over which the batch of a paged call is sharded while its pool is
@@ -178,9 +206,9 @@ def _decode_branch(*ops, kind, config, capacity, append, paged, gather_appends_o
             all_rows = [jax.lax.all_gather(x, gather_appends_over, tiled=True) for x in all_rows]
         k_cache, v_cache = append_rows(k_cache, v_cache, *all_rows, capacity)
         lengths = jnp.clip(seqlens, 0, capacity - k_new.shape[1]) + k_new.shape[1]
-        out, lse = _decode_branch(q, k_cache, v_cache, lengths, *([table] if paged else []),
-                                  kind=kind, config=config, capacity=capacity, append=False,
-                                  paged=paged)
+        out, lse = _decode_flat(q, k_cache, v_cache, lengths, *([table] if paged else []),
+                                kind=kind, config=config, capacity=capacity, append=False,
+                                paged=paged)
         return out, lse, k_cache, v_cache
     if kind == "gpu_float32":
         c = _GPU_COMPUTE_DTYPE
@@ -288,7 +316,10 @@ def flash_attention_with_kvcache(query, k_cache, v_cache, *, cache_seqlens, k_ne
     No gradient: differentiating raises NotImplementedError. Head dims other than
     64, 128 and 256 are zero-padded up to the next of these, which copies the
     cache on every call. On GPU, float32 inputs attend at bfloat16 precision over
-    a bfloat16 copy of the cache. Under jax.vmap the kernel runs once per slice.
+    a bfloat16 copy of the cache. Under jax.vmap the vmapped axis joins the
+    batch of one call where each slice has its own contiguous cache, or reads a
+    paged pool that the slices share without an append; otherwise the kernel
+    runs once per slice.
     Under jax.jit with sharded operands the call partitions over the batch and
     the kv heads (docs/decode.md, "Sharding"); a paged pool is replicated under
     batch sharding, and an append then all-gathers only the new rows.

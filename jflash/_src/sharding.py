@@ -192,8 +192,8 @@ def _custom_call(call, lowering, rule, vmap_rule, result_specs):
 
     lowering(static, mesh, arg_shapes) -> (lower, result_shardings,
     arg_shardings): the per-device call and its shardings; rule: the Shardy
-    sharding rule; vmap_rule(batched, axis_size, in_batched, arrays) -> the
-    results of the vmapped call, every one batched; result_specs(static) maps
+    sharding rule; vmap_rule(batched, axis_size, in_batched, arrays, static) ->
+    the results of the vmapped call, every one batched; result_specs(static) maps
     the operands' full PartitionSpecs to the results' (used under Explicit mesh
     axes only)."""
 
@@ -217,7 +217,7 @@ def _custom_call(call, lowering, rule, vmap_rule, result_specs):
 
         @batched.def_vmap
         def _(axis_size, in_batched, *arrays):
-            out = vmap_rule(batched, axis_size, in_batched, arrays)
+            out = vmap_rule(batched, axis_size, in_batched, arrays, dict(static))
             return out, jax.tree.map(lambda _: True, out)
 
         results = _with_auto_axes(batched, arrays, result_specs(static))
@@ -226,20 +226,22 @@ def _custom_call(call, lowering, rule, vmap_rule, result_specs):
     return custom_call
 
 
-def _vmap_folded(batched, axis_size, in_batched, arrays):
+def _vmap_folded(batched, axis_size, in_batched, arrays, static, shared=()):
     """The vmapped axis as one more leading axis of every operand (custom_vmap
-    puts it first; the unbatched operands are broadcast to it), for calls that
-    fold it into their batch."""
+    puts it first; the unbatched operands are broadcast to it, but those whose
+    index is in `shared`, which every slice reads whole), for calls that fold
+    it into their batch."""
+    del static
     arrays = [
-        a if is_batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-        for a, is_batched in zip(arrays, in_batched, strict=True)
+        a if is_batched or i in shared else jnp.broadcast_to(a, (axis_size, *a.shape))
+        for i, (a, is_batched) in enumerate(zip(arrays, in_batched, strict=True))
     ]
     return batched(*arrays)
 
 
-def _vmap_per_slice(batched, axis_size, in_batched, arrays):
+def _vmap_per_slice(batched, axis_size, in_batched, arrays, static=None):
     """One call per slice of the vmapped axis (lax.map)."""
-    del axis_size
+    del axis_size, static
     mapped = [i for i, b in enumerate(in_batched) if b]
 
     def one(slices):
@@ -416,9 +418,11 @@ def _decode_rule(static, mesh, value_types, result_types):
     static = dict(static)
     append, paged = static["append"], static["paged"]
     h, sizes = _heads_factor(value_types[0].shape[-2], value_types[1].shape[-2])
-    cache = "n bs hk d" if paged else "b c hk d"
-    spelled = {"q": f"b sq {h} d", "cache": cache, "seqlens": "b", "new": "b sn hk d",
-               "table": "b nb", "row": f"b {h} sq"}
+    # Leading axes (a vmapped axis folded into the call) on everything but a
+    # paged pool, which every sequence reads whole.
+    cache = "n bs hk d" if paged else "... b c hk d"
+    spelled = {"q": f"... b sq {h} d", "cache": cache, "seqlens": "... b",
+               "new": "... b sn hk d", "table": "... b nb", "row": f"... b {h} sq"}
     results = ["q", "row"] + (["cache", "cache"] if append else [])
     rule = (", ".join(spelled[x] for x in _decode_operand_names(append, paged)) + " -> "
             + ", ".join(spelled[x] for x in results))
@@ -432,26 +436,27 @@ def _decode_shardings(mesh, arg_shapes, static):
     names = _decode_operand_names(append, paged)
     results = 2 + 2 * append
     q, k = arg_shapes[0], arg_shapes[1]
-    q_spec = _spec(q.sharding, 4, mesh)
-    k_spec = _spec(k.sharding, 4, mesh)
+    q_spec = _spec(q.sharding, len(q.shape), mesh)
+    k_spec = _spec(k.sharding, len(k.shape), mesh)
     if q_spec is None and mesh.empty:
         from jax._src.sharding_impls import GSPMDSharding
 
         replicated = GSPMDSharding.get_replicated(q.sharding._device_assignment)  # noqa: SLF001
         return (replicated,) * results, (replicated,) * len(names), ()
-    q_spec = q_spec or (None,) * 4
-    batch, heads = q_spec[0], q_spec[2]
-    heads_kv = None if k_spec is None else k_spec[2]
+    q_spec = q_spec or (None,) * len(q.shape)
+    lead, batch, heads = q_spec[:-4], q_spec[-4], q_spec[-2]  # lead: folded vmapped axes
+    heads_kv = None if k_spec is None else k_spec[-2]
     # MQA: query heads may split while the one kv head stays replicated (every
     # device appends the same rows to its copy of the cache).
-    mqa_split = k.shape[2] == 1 and heads_kv is None and heads is not None
+    mqa_split = k.shape[-2] == 1 and heads_kv is None and heads is not None
     if heads != heads_kv and not mqa_split:
         heads = heads_kv = None
 
     def named(*dims):
-        return NamedSharding(mesh, PartitionSpec(*dims))
+        return NamedSharding(mesh, PartitionSpec(*lead, *dims))
 
-    cache = named(None, None, heads_kv, None) if paged else named(batch, None, heads_kv, None)
+    cache = (NamedSharding(mesh, PartitionSpec(None, None, heads_kv, None)) if paged
+             else named(batch, None, heads_kv, None))
     by_name = {"q": named(batch, None, heads, None), "cache": cache, "seqlens": named(batch),
                "new": named(batch, None, heads_kv, None), "table": named(batch, None)}
     operands = tuple(by_name[x] for x in names)
@@ -465,7 +470,7 @@ def _decode_result_specs(static):
 
     def specs(operand_specs):
         q, cache = operand_specs[0], operand_specs[1]
-        return (q, (q[0], q[2], q[1])) + (cache, cache) * append
+        return (q, (*q[:-3], q[-2], q[-3])) + (cache, cache) * append
 
     return specs
 
@@ -477,8 +482,9 @@ def partitioned_decode(call):
     v_new][, block_table]. gather_appends_over: the mesh axes over which the
     per-device lowering must all-gather a paged pool's appends (above).
 
-    Under jax.vmap the call runs once per slice (a paged pool has no batch
-    axis to fold a vmapped axis into)."""
+    Under jax.vmap the vmapped axis becomes a leading axis of the call, which
+    call folds into the batch (_vmap_decode), or the call runs once per slice.
+    """
 
     def lowering(static, mesh, arg_shapes):
         result_shardings, arg_shardings, gather = _decode_shardings(mesh, arg_shapes, static)
@@ -486,4 +492,22 @@ def partitioned_decode(call):
             functools.partial(call, **static, gather_appends_over=gather))
         return lower, result_shardings, arg_shardings
 
-    return _custom_call(call, lowering, _decode_rule, _vmap_per_slice, _decode_result_specs)
+    return _custom_call(call, lowering, _decode_rule, _vmap_decode, _decode_result_specs)
+
+
+def _vmap_decode(batched, axis_size, in_batched, arrays, static):
+    """A vmapped decode call: folded into the batch where every slice has a cache
+    of its own (a contiguous cache, vmapped), or reads a shared paged pool
+    without writing it; one call per slice otherwise (a contiguous cache shared
+    by the slices would have to be copied for each; a shared pool written by
+    each slice's append is each slice's own copy; a vmapped pool would need
+    its block ids offset per slice)."""
+    k_cache, v_cache = in_batched[1], in_batched[2]
+    if static["paged"]:
+        fold = not (static["append"] or k_cache or v_cache)
+    else:
+        fold = k_cache and v_cache
+    if not fold:
+        return _vmap_per_slice(batched, axis_size, in_batched, arrays)
+    return _vmap_folded(batched, axis_size, in_batched, arrays, static,
+                        shared=(1, 2) if static["paged"] else ())
