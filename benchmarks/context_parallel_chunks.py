@@ -53,6 +53,11 @@ def chunked_attention(n, causal):
 
     from jflash._src import context_parallel as cp
     from jflash._src import ring_attention as ra
+    from jflash._src import validation
+
+    # As flash_attention(..., precision=None) would: the float32 kernels'
+    # passes at JAX's default matmul precision (bfloat16 inputs ignore them).
+    tf32 = validation.tf32_passes(None)
 
     f32 = jnp.float32
 
@@ -65,7 +70,7 @@ def chunked_attention(n, causal):
         return forward(q, k, v)[0]
 
     def forward(q, k, v):
-        fwd_call = ra._fwd_call(q.shape[-1] ** -0.5)
+        fwd_call = ra._fwd_call(q.shape[-1] ** -0.5, tf32)
         qs, ks, vs = blocks(q), blocks(k), blocks(v)
         block = qs[0].shape[1]
         outs, lses = [], []
@@ -89,7 +94,7 @@ def chunked_attention(n, causal):
 
     def attention_bwd(residuals, dout):
         q, k, v, out, lse = residuals
-        bwd_call = ra._bwd_call(q.shape[-1] ** -0.5)
+        bwd_call = ra._bwd_call(q.shape[-1] ** -0.5, tf32)
         qs, ks, vs, os_, dos = (blocks(x) for x in (q, k, v, out, dout))
         block = qs[0].shape[1]
         lses = [lse[..., i * block:(i + 1) * block] for i in range(n)]

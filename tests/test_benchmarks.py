@@ -348,3 +348,33 @@ def test_backward_record_when_fwdbwd_times_below_fwd():
     assert "window/causal" in table
     ok = gpu_benchmark.backward_record(fwd, dict(fwdbwd, median_s=9.8e-4))
     assert ok["status"] == "ok" and ok["tflops"] == pytest.approx(2.5e9 / 4.9e-4 / 1e12)
+
+
+def test_context_parallel_chunks(tmp_path):
+    """The ring's chunk calls on one device: --smoke checks them against one
+    call (out and gradients, causal zigzag and unmasked) before timing."""
+    out = tmp_path / "chunks.json"
+    stdout = _run("context_parallel_chunks.py", "--smoke", "--chunks", 2, "--out", out)
+    assert "check causal=True" in stdout and "check causal=False" in stdout
+    records = json.loads(out.read_text())["records"]
+    assert {(r["impl"], r["causal"]) for r in records} == {
+        (impl, causal) for impl in ("whole", "chunks", "ratio") for causal in (True, False)}
+    timed = [r for r in records if r["impl"] != "ratio"]
+    assert all(r["tflops"] > 0 and "error" not in r for r in timed), records
+
+
+def test_decode_benchmark(tmp_path):
+    out = tmp_path / "decode.json"
+    _run("decode_benchmark.py", "--smoke", "--allow-cpu", "--batches", 1, "--caches", 256,
+         "--layouts", "contiguous,paged64", "--impls", "jflash,jflash_append,xla",
+         "--target-ms", 1, "--repeats", 1, "--out", out)
+    records = json.loads(out.read_text())["records"]
+    by_key = {(r["impl"], r["layout"]): r for r in records}
+    assert set(by_key) == {("jflash", "contiguous"), ("jflash_append", "contiguous"),
+                           ("jflash", "paged64"), ("jflash_append", "paged64"),
+                           ("xla", "contiguous")}, sorted(by_key)
+    for r in records:
+        assert r["status"] == "ok", r
+        assert r["bandwidth_gbs"] > 0
+        if r["layout"] == "contiguous":  # checked against the reference there
+            assert r["rel_err"] < 2e-2, r
