@@ -1,5 +1,5 @@
-// The decode's second kernel (flash_decode_sm80.h launches it after the
-// main one where a call has several splits of the key range): each row's
+// The decode's second kernel (decode_launch_sm80.h launches it after the
+// main one of flash_decode_sm80.h where a call has several splits of the key range): each row's
 // out and lse from the splits' float32 shares.
 #pragma once
 

@@ -21,7 +21,8 @@
 // Epilogue: the warps' (max, sum, O) combine through shared memory. One split
 // writes out and lse; several write their share (O over their own sum, and
 // their lse) to XLA's float32 scratch, and flash_decode_combine_kernel
-// (decode_combine.h) merges them by lse. The CTAs of split 0 also write k_new
+// (decode_combine.h) merges them by lse. The host side (which kernel, ring
+// depth, split count, the launches): decode_launch_sm80.h. The CTAs of split 0 also write k_new
 // and v_new into the cache, rows that no CTA of the call reads from the cache.
 #pragma once
 
@@ -29,9 +30,8 @@
 
 #include <cute/tensor.hpp>
 
-#include "cuda/decode_combine.h"
 #include "cuda/kernel_traits_sm80.h"
-#include "cuda/launch.h"
+#include "cuda/tile_sizes.h"
 #include "cuda/utils.h"
 #include "jflash/decode.h"
 #include "jflash/params.h"
@@ -501,106 +501,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
       if (col == 0) params.lse_partial[partial] = lse;
     }
   }
-}
-
-// The kernel for `rows` rows per kv head: 4 warps across the keys of a tile
-// for up to 16 rows, across 64 rows otherwise.
-template <typename Element, int kHeadDim, typename Body>
-auto with_decode_traits(int rows, Body&& body) {
-  if (rows <= 16) return body(DecodeTraitsSm80<Element, kHeadDim, 4>{});
-  return body(DecodeTraitsSm80<Element, kHeadDim, 1>{});
-}
-
-template <typename Element, int kHeadDim>
-int decode_smem_bytes_sm80(int rows, const LaunchContext& ctx) {
-  return with_decode_traits<Element, kHeadDim>(rows, [&](auto traits) {
-    using Traits = decltype(traits);
-    return Traits::smem_bytes(Traits::stages_for(ctx.smem_limit));
-  });
-}
-
-template <typename Traits>
-cudaError_t set_decode_smem(int smem_bytes) {
-  if (smem_bytes <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(&flash_decode_kernel<Traits>,
-                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-}
-
-// The split heuristic (jflash/decode.h) with the kernel's occupancy: its CTAs
-// per SM at the shared memory it takes here are the slots of an SM.
-template <typename Element, int kHeadDim>
-int decode_num_splits_sm80(int64_t batch, int64_t num_heads_kv, int rows, int64_t capacity,
-                           const LaunchContext& ctx) {
-  return with_decode_traits<Element, kHeadDim>(rows, [&](auto traits) {
-    using Traits = decltype(traits);
-    const int smem = Traits::smem_bytes(Traits::stages_for(ctx.smem_limit));
-    int per_sm = 0;
-    if (set_decode_smem<Traits>(smem) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, &flash_decode_kernel<Traits>,
-                                                      Traits::kNThreads, smem) != cudaSuccess) {
-      per_sm = 1;
-    }
-    const int64_t units = batch * num_heads_kv * ceil_div(rows, Traits::kBlockM);
-    const DecodeSplitCost cost{Traits::kBlockN, kCudaDecodeSplitCost.unit_overhead_keys,
-                               kCudaDecodeSplitCost.combine_keys};
-    return decode_num_splits(units, ctx.sm_count, per_sm, capacity, cost);
-  });
-}
-
-// The ring depth of a launch of `ctas` CTAs: the table's where the launch
-// fills the SMs' slots. A short call leaves slots empty (batch 1 and an 8k
-// cache: 264 CTAs of 4 tiles for 396 slots at head dim 128), and its CTAs
-// spend their few tiles mostly waiting for loads with one tile in flight:
-// there the empty slots' shared memory deepens the ring, so that more of a
-// CTA's tiles are in flight at once.
-template <typename Traits>
-int decode_launch_stages(int64_t ctas, const LaunchContext& ctx) {
-  const int table = Traits::stages_for(ctx.smem_limit);
-  const int64_t per_sm = ceil_div(ctas, int64_t{ctx.sm_count});
-  if (per_sm >= Traits::kMinBlocksPerSm) return table;
-  for (int stages = kMaxDecodeStages; stages > table; --stages) {
-    const int smem = Traits::smem_bytes(stages);
-    int fit = 0;
-    if (smem <= ctx.smem_limit && set_decode_smem<Traits>(smem) == cudaSuccess &&
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, &flash_decode_kernel<Traits>,
-                                                      Traits::kNThreads, smem) == cudaSuccess &&
-        fit >= per_sm) {
-      return stages;
-    }
-  }
-  return table;
-}
-
-template <typename Element, int kHeadDim>
-cudaError_t run_flash_decode(const DecodeParams& params, const LaunchContext& ctx) {
-  const int rows = decode_rows(params);
-  return with_decode_traits<Element, kHeadDim>(rows, [&](auto traits) {
-    using Traits = decltype(traits);
-    // The handler checks that the grid fits gridDim.x (2^31 - 1).
-    const int64_t ctas = int64_t{params.batch} * params.num_heads_kv * params.num_splits *
-                         ceil_div(rows, Traits::kBlockM);
-    const int stages = decode_launch_stages<Traits>(ctas, ctx);
-    const int smem = Traits::smem_bytes(stages);
-    if (cudaError_t err = set_decode_smem<Traits>(smem); err != cudaSuccess) return err;
-    // A programmatic dependent launch where the device takes it: the CTAs
-    // start as the previous kernel's last ones end, and wait for its writes.
-    if (cudaError_t err = launch_dependent(ctx, &flash_decode_kernel<Traits>,
-                                           dim3(static_cast<unsigned>(ctas)),
-                                           dim3(Traits::kNThreads), smem, params, stages);
-        err != cudaSuccess || params.num_splits == 1) {
-      return err;
-    }
-    const int64_t rows_total = int64_t{params.batch} * params.num_heads * params.seqlen_q;
-    const int64_t rows_per_cta = kCombineWarps / combine_warps_per_row(params.num_splits);
-    // A sequence attends over at most the capacity (appended keys included).
-    const int64_t tiles = ceil_div(int64_t{decode_capacity(params)}, int64_t{Traits::kBlockN});
-    LaunchContext combine_ctx = ctx;
-    combine_ctx.programmatic_launch &=
-        ceil_div(tiles, int64_t{params.num_splits}) <= kDecodeEarlyCombineMaxTiles;
-    return launch_dependent(combine_ctx, &flash_decode_combine_kernel<Element, kHeadDim>,
-                            dim3(static_cast<unsigned>(ceil_div(rows_total, rows_per_cta))),
-                            dim3(32 * kCombineWarps), 0, params);
-  });
 }
 
 }  // namespace jflash::cuda

@@ -29,8 +29,9 @@ def _head_dims(name: str) -> tuple[int, ...]:
 
 
 HEAD_DIMS = _head_dims("kKernelHeadDims")
-# The decode kernels (flash_decode_sm80.h): one file per (dtype, head dim), no
-# mask kind (each sequence's band is computed in the kernel).
+# The decode kernels (flash_decode_sm80.h, launched by decode_launch_sm80.h):
+# one file per (dtype, head dim), no mask kind (each sequence's band is
+# computed in the kernel).
 DECODE_HEAD_DIMS = _head_dims("kDecodeHeadDims")
 DECODE_REGISTRATION = (
     "register_decode_kernel(DType::{dtype_enum}, {head_dim},\n"
@@ -199,7 +200,7 @@ def main() -> None:
             registration = DECODE_REGISTRATION.format(element=element, dtype_enum=dtype_enum,
                                                       head_dim=head_dim)
             wanted.add(_write(out_dir, f"flash_decode_{dtype}_hdim{head_dim}",
-                              "cuda/flash_decode_sm80.h", registration))
+                              "cuda/decode_launch_sm80.h", registration))
     for direction, (header, registration, head_dims) in DIRECTIONS.items():
         for dtype, (element, dtype_enum) in DTYPES.items():
             for head_dim, (mask, (mask_policy, mask_kind)), softcap in itertools.product(

@@ -73,8 +73,9 @@ struct BwdKernel {
   bool (*accepts)(const BwdParams&) = nullptr;
 };
 
-// The decode kernels (flash_decode_sm80.h), one per (dtype, head dim of
-// kDecodeHeadDims). rows: a kv head's query heads times the queries.
+// The decode kernels (flash_decode_sm80.h, launched by decode_launch_sm80.h),
+// one per (dtype, head dim of kDecodeHeadDims). rows: a kv head's query heads
+// times the queries.
 using DecodeLauncher = cudaError_t (*)(const DecodeParams&, const LaunchContext&);
 struct DecodeKernel {
   DecodeLauncher launch = nullptr;

@@ -98,7 +98,7 @@ struct DecodeSplitCost {
   int combine_keys;
 };
 
-// The CUDA kernel's (flash_decode_sm80.h), fitted to the H100 measurements of
+// The CUDA kernel's (decode_launch_sm80.h), fitted to the H100 measurements of
 // docs/decode.md: a slot streams a 64-key tile in ~3 us when the GPU reads at
 // full bandwidth, and a CTA's fixed cost is ~100 keys (~4.7 us: a wave's
 // ramp and drain).
