@@ -192,8 +192,9 @@ def test_vmap_folded_heuristic_split(rng):
             plain_out, plain_lse = plain(case, arrays)
             assert_within_rule("out", out[i, j], plain_out, true_out, jnp.bfloat16)
             assert_within_rule("lse", lse[i, j], plain_lse, true_lse, jnp.bfloat16)
-            got_k = np.asarray(jnp.asarray(k_cache[i, j], jnp.float32), np.float64)
-            np.testing.assert_array_equal(got_k, true_k)
+            for name, got, want in (("k_cache", k_cache, true_k), ("v_cache", v_cache, true_v)):
+                got = np.asarray(jnp.asarray(got[i, j], jnp.float32), np.float64)
+                np.testing.assert_array_equal(got, want, err_msg=name)
 
 
 def test_no_gradient(rng):
