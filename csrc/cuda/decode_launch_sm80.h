@@ -41,24 +41,33 @@ cudaError_t set_decode_smem(int smem_bytes) {
                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
 }
 
+// The kernel's CTAs that fit on an SM with `smem_bytes` of dynamic shared
+// memory; -1 where the device refuses that much or the query fails.
+template <typename Traits>
+int decode_ctas_per_sm(int smem_bytes) {
+  int fit = 0;
+  if (set_decode_smem<Traits>(smem_bytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, &flash_decode_kernel<Traits>,
+                                                    Traits::kNThreads, smem_bytes) != cudaSuccess) {
+    return -1;
+  }
+  return fit;
+}
+
 // The split heuristic (jflash/decode.h) with the kernel's occupancy: its CTAs
-// per SM at the shared memory it takes here are the slots of an SM.
+// per SM at the shared memory it takes here are the slots of an SM (at least
+// one: decode_num_splits counts fewer as one).
 template <typename Element, int kHeadDim>
 int decode_num_splits_sm80(int64_t batch, int64_t num_heads_kv, int rows, int64_t capacity,
                            const LaunchContext& ctx) {
   return with_decode_traits<Element, kHeadDim>(rows, [&](auto traits) {
     using Traits = decltype(traits);
     const int smem = Traits::smem_bytes(Traits::stages_for(ctx.smem_limit));
-    int per_sm = 0;
-    if (set_decode_smem<Traits>(smem) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, &flash_decode_kernel<Traits>,
-                                                      Traits::kNThreads, smem) != cudaSuccess) {
-      per_sm = 1;
-    }
     const int64_t units = batch * num_heads_kv * ceil_div(rows, Traits::kBlockM);
     const DecodeSplitCost cost{Traits::kBlockN, kCudaDecodeSplitCost.unit_overhead_keys,
                                kCudaDecodeSplitCost.combine_keys};
-    return decode_num_splits(units, ctx.sm_count, per_sm, capacity, cost);
+    return decode_num_splits(units, ctx.sm_count, decode_ctas_per_sm<Traits>(smem), capacity,
+                             cost);
   });
 }
 
@@ -75,13 +84,7 @@ int decode_launch_stages(int64_t ctas, const LaunchContext& ctx) {
   if (per_sm >= Traits::kMinBlocksPerSm) return table;
   for (int stages = kMaxDecodeStages; stages > table; --stages) {
     const int smem = Traits::smem_bytes(stages);
-    int fit = 0;
-    if (smem <= ctx.smem_limit && set_decode_smem<Traits>(smem) == cudaSuccess &&
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, &flash_decode_kernel<Traits>,
-                                                      Traits::kNThreads, smem) == cudaSuccess &&
-        fit >= per_sm) {
-      return stages;
-    }
+    if (smem <= ctx.smem_limit && decode_ctas_per_sm<Traits>(smem) >= per_sm) return stages;
   }
   return table;
 }
