@@ -95,6 +95,32 @@ struct DecodeTraitsSm80 : BaseTraits<Element_, kHeadDim_, 128> {
   }
 };
 
+// Where row r (< kBlockN) and column c of a K (or V) tile lie in a stage:
+// the warp's key slice, then the swizzled slice layout.
+template <typename Traits>
+__host__ __device__ constexpr int decode_kv_offset(int r, int c) {
+  return (r / Traits::kWarpKeys) * Traits::kSliceElements +
+         typename Traits::SmemLayoutKV{}(r % Traits::kWarpKeys, c);
+}
+
+// Rows 16 apart lie a fixed distance apart, whatever the column: a thread's
+// row of a 16-row group lands at its row's offset in the first group plus
+// the group's (swizzles act within 8-row atoms). The load path relies on it.
+template <typename Traits>
+constexpr bool decode_kv_groups_shift() {
+  for (int g = 16; g < Traits::kBlockN; g += 16) {
+    for (int r = 0; r < 16; ++r) {
+      for (int c = 0; c < Traits::kHeadDim; c += 8) {
+        if (decode_kv_offset<Traits>(g + r, c) !=
+            decode_kv_offset<Traits>(r, c) + decode_kv_offset<Traits>(g, 0)) {
+          return false;
+        }
+      }
+    }
+  }
+  return true;
+}
+
 // 16 bytes global -> shared; zero-filled without a read where !valid (src must
 // still be a mapped address).
 __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
@@ -261,29 +287,41 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   // A contiguous cache is one block per sequence: row `key` (< lens.cache <=
   // capacity) lies at key * row_stride within it, no division needed.
   const int64_t sequence_rows = int64_t{batch} * params.cache_block_stride + cache_head;
+  // This thread's rows of a 16-row group (pass_row + j) in a stage, the same
+  // for every group and tile; a group adds a constant (decode_kv_groups_shift).
+  static_assert(decode_kv_groups_shift<Traits>());
+  constexpr int kGroupRows = 16 / kRowsPerPass;  // a thread's rows per group
+  int row_slot[kGroupRows];
+  CUTE_UNROLL
+  for (int j = 0; j < kGroupRows; ++j) {
+    row_slot[j] = decode_kv_offset<Traits>(pass_row + j * kRowsPerPass, chunk * 8);
+  }
   auto load_tile = [&](int tile, int stage) {
     Element* k_stage = ring + stage * 2 * Traits::kTileElements;
     const int key0 = tile * kBlockN;
     if (key0 + kBlockN <= lens.cache) {
-      // The common case, every row from the cache: no per-row tests, and one
+      // The common case, every row from the cache: no per-row tests, one
       // address per 16-row group, whose rows share a block of a paged cache
-      // (block_size is a multiple of 16). A warp's instructions per tile bound
-      // the kernel (docs/decode.md), and these were 40% of them. Not unrolled
-      // over the groups: unrolled, the hoisted addresses spill at the launch
-      // bound's registers.
-#pragma unroll 1
+      // (block_size is a multiple of 16), and the next row's a stride on;
+      // the shared-memory places are this thread's row_slot plus a constant.
+      // A quarter of the instructions the per-row places took: paged caches
+      // read 2-5% faster, contiguous ones as fast (docs/decode.md).
+      const int64_t row_step = int64_t{kRowsPerPass} * params.cache_row_stride;
+      int64_t offset = 0;
+      CUTE_UNROLL
       for (int g = 0; g < kBlockN; g += 16) {
         const int first = key0 + g + pass_row;  // pass_row < kRowsPerPass <= 16
-        const int64_t group = paged ? cache_row_offset(params, batch, first) + cache_head
-                                    : sequence_rows + int64_t{first} * params.cache_row_stride;
+        if (paged) {
+          offset = cache_row_offset(params, batch, first) + cache_head;
+        } else if (g == 0) {
+          offset = sequence_rows + int64_t{first} * params.cache_row_stride;
+        }
         CUTE_UNROLL
-        for (int j = 0; j < 16; j += kRowsPerPass) {
-          const int r = g + pass_row + j;
-          const int64_t offset = group + int64_t{j} * params.cache_row_stride;
-          Element* dst = k_stage + (r / kWarpKeys) * Traits::kSliceElements +
-                         typename Traits::SmemLayoutKV{}(r % kWarpKeys, chunk * 8);
+        for (int j = 0; j < kGroupRows; ++j) {
+          Element* dst = k_stage + row_slot[j] + decode_kv_offset<Traits>(g, 0);
           cp_async_16(dst, k_cache + offset, true);
           cp_async_16(dst + Traits::kTileElements, v_cache + offset, true);
+          offset += row_step;
         }
       }
       return;
