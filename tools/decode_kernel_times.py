@@ -32,12 +32,12 @@ import decode_benchmark as db  # noqa: E402
 from kernel_times import kernel_events, short_name  # noqa: E402
 
 
-def trace_row(impl, batch, cache, args, num_splits=None):
-    key = jax.random.PRNGKey(0)
+def trace_row(impl, batch, cache, args):
+    key = jax.random.key(0)
     q, caches, k_new, v_new, table = db.row_tensors(key, batch, cache, "contiguous", args)
     keys = cache + 1 if impl == "jflash_append" else cache
     lengths = jnp.full((batch,), keys, jnp.int32)
-    step = db.attention_call(impl, "contiguous", args, lengths, table, num_splits)
+    step = db.attention_call(impl, "contiguous", args, lengths, table)
     loop = db.decode_loop(step, len(caches), args.iterations)
     carry = (q, tuple(caches), k_new, v_new)
     jax.block_until_ready(loop(*carry))  # compile, warm up
