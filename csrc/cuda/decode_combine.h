@@ -144,6 +144,23 @@ __global__ void __launch_bounds__(32 * kCombineWarps) flash_decode_combine_kerne
       }
     }
   }
+  auto out_row_ptr = [&](int64_t r) {
+    return static_cast<Element*>(params.out) + batch_of(r) * params.out_batch_stride +
+           query_of(r) * params.out_row_stride + head_of(r) * params.out_head_stride;
+  };
+  if (warps_per_row == 1) {
+    // The row is this warp's alone (uniform over the CTA, as the splits
+    // are): its lanes write their columns, no pass through shared memory.
+    if (in_range) {
+      Element* dst = out_row_ptr(row) + lane * kPerLane;
+      CUTE_UNROLL
+      for (int c = 0; c < kPerLane; c += 2) {
+        *reinterpret_cast<uint32_t*>(dst + c) = pack_pair(Element(o[c]), Element(o[c + 1]));
+      }
+      if (lane == 0) params.lse[row] = lse;
+    }
+    return;
+  }
   CUTE_UNROLL
   for (int c = 0; c < kPerLane; ++c) partial[warp][lane * kPerLane + c] = o[c];
   __syncthreads();
@@ -158,9 +175,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) flash_decode_combine_kerne
       a += partial[w][c];
       b += partial[w][c + 1];
     }
-    Element* dst = static_cast<Element*>(params.out) + batch_of(out_row) * params.out_batch_stride +
-                   query_of(out_row) * params.out_row_stride +
-                   head_of(out_row) * params.out_head_stride + c;
+    Element* dst = out_row_ptr(out_row) + c;
     *reinterpret_cast<uint32_t*>(dst) = pack_pair(Element(a), Element(b));
   }
   if (in_range && part == 0 && lane == 0) params.lse[row] = lse;
