@@ -29,7 +29,8 @@ namespace jflash::cuda {
 // columns. The shares' addresses depend on nothing but the split index: a
 // warp's first batch of share loads goes out with its lse loads. Every warp
 // reads every lse of its row (a lane per split; L2 hits) for the row's lse
-// and the weights, and the warps of a row meet in shared memory.
+// and the weights; the warps of a row meet in shared memory, and a row of
+// one warp is written by that warp.
 //
 // Launched as a programmatic dependent of the main kernel where the device
 // takes it (LaunchContext::programmatic_launch) and the main kernel is short
