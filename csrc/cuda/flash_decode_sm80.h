@@ -23,8 +23,8 @@
 // their lse) to XLA's float32 scratch, and flash_decode_combine_kernel
 // (decode_combine.h) merges them by lse. The CTAs of split 0 also write k_new
 // and v_new into the cache (decode_append_sm80.h), rows that no CTA of the
-// call reads from the cache. The host side (which kernel, ring depth, split count, the launches):
-// decode_launch_sm80.h.
+// call reads from the cache. The host side (which kernel, ring depth, split
+// count, the launches): decode_launch_sm80.h.
 #pragma once
 
 #include <cuda_runtime.h>
