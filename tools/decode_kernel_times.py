@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import decode_benchmark as db  # noqa: E402
-from kernel_times import kernel_events, short_name  # noqa: E402
+from kernel_times import kernel_events, per_kernel, short_name  # noqa: E402
 
 
 def trace_row(impl, batch, cache, args):
@@ -47,11 +47,7 @@ def trace_row(impl, batch, cache, args):
             jax.block_until_ready(loop(*carry))
         events = kernel_events(trace_dir)
     calls = args.iterations * len(caches)
-    per_name = collections.defaultdict(lambda: [0, 0.0])
-    for name, _, dur in events:
-        per_name[name][0] += 1
-        per_name[name][1] += dur
-    span = max(s + d for _, s, d in events) - min(s for _, s, _ in events)
+    per_name, span = per_kernel(events)
     # From each kernel's end to the next one's start (negative: they overlap),
     # by the pair of names: where a call's time goes between its kernels.
     gaps = collections.defaultdict(list)

@@ -63,6 +63,17 @@ def short_name(name, width=90):
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
+def per_kernel(events):
+    """{name: [launches, summed ns]} of (name, start_ns, duration_ns) events, and
+    their span: the first start to the last end."""
+    per_name = collections.defaultdict(lambda: [0, 0.0])
+    for name, _, dur in events:
+        per_name[name][0] += 1
+        per_name[name][1] += dur
+    span = max(s + d for _, s, d in events) - min(s for _, s, _ in events)
+    return per_name, span
+
+
 def profile(attn, mode, q, k, v, steps):
     loop = make_loop(attn, mode, steps)
     jax.block_until_ready(loop(q, k, v))  # compile, warm up
@@ -73,12 +84,7 @@ def profile(attn, mode, q, k, v, steps):
         events = kernel_events(trace_dir)
     if not events:
         raise RuntimeError("the trace holds no kernel on the GPU's streams")
-    per_name = collections.defaultdict(lambda: [0, 0.0])
-    for name, _, dur in events:
-        per_name[name][0] += 1
-        per_name[name][1] += dur
-    span = max(s + d for _, s, d in events) - min(s for _, s, _ in events)
-    return per_name, span
+    return per_kernel(events)
 
 
 def main():
