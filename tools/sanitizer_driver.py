@@ -19,6 +19,9 @@ lengths, a query document with no key and documents of one token; GQA;
 unmasked and causal): the kernels of segment ids and of the producer's
 per-step tile flags that the Hopper backward stores beside its Q/dO buffers.
 
+`--softcap C` runs either set with logit soft-capping at C (the softcap
+kernels).
+
 With JFLASH_CUDA_SMEM_LIMIT=101376 the same cases run the 99 KB tile column
 (head dims 192 and 256 then cover its 64 x 32 and 4-warp 32 x 32 backward).
 """
@@ -48,7 +51,7 @@ def report(attention, q, k, v, label):
     print(f"{label}: loss {float(value):.4f}, finite {finite}")
 
 
-def run_segments(head_dims, dtypes, deterministic, rng, scale):
+def run_segments(head_dims, dtypes, deterministic, softcap, rng, scale):
     """Packed documents: rows of segment ids, unmasked and causal."""
     # Per batch entry, the documents' lengths (query side = key side); in
     # entry 1, query document 7 has no key (its keys carry id 8) and two
@@ -73,7 +76,8 @@ def run_segments(head_dims, dtypes, deterministic, rng, scale):
             def attention(q, k, v, causal=causal):
                 return jflash.flash_attention(
                     q, k, v, causal=causal, softmax_scale=scale, return_lse=True,
-                    q_segment_ids=q_ids, kv_segment_ids=kv_ids, deterministic=deterministic)
+                    q_segment_ids=q_ids, kv_segment_ids=kv_ids, deterministic=deterministic,
+                    softcap=softcap)
 
             report(attention, q, k, v,
                    f"{jnp.dtype(dtype).name} d{d} segments 2x{seq} causal {causal}")
@@ -87,11 +91,13 @@ def main():
                         help="the backward's deterministic mode (dq added in key-block order)")
     parser.add_argument("--segments", action="store_true",
                         help="packed documents (segment ids) instead of the band calls")
+    parser.add_argument("--softcap", type=float, default=None,
+                        help="logit soft-capping at this value (the softcap kernels)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     scale = 0.1
     if args.segments:
-        run_segments(args.head_dims, args.dtypes, args.deterministic, rng, scale)
+        run_segments(args.head_dims, args.dtypes, args.deterministic, args.softcap, rng, scale)
         return
     shapes = (  # (batch, seq_q, seq_k, heads, kv_heads, bands, rising)
         (1, 77, 131, 4, 2, ((-77, 131), (-20, -5)), False),
@@ -118,7 +124,8 @@ def main():
             for lo, hi in bands:
                 def attention(q, k, v, lo=lo, hi=hi):
                     return attention_band(q, k, v, softmax_scale=scale, diag_lo=lo, diag_hi=hi,
-                                          deterministic=args.deterministic)
+                                          deterministic=args.deterministic,
+                                          softcap=args.softcap)
 
                 report(attention, q, k, v,
                        f"{jnp.dtype(dtype).name} d{d} {b}x{sq}x{sk}{' rising' if rising else ''} "

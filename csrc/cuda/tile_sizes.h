@@ -372,11 +372,9 @@ constexpr Sm90BwdTile sm90_bwd_tile(int head_dim, MaskKind mask,
     // what fits: K, V 64 KB, Q, dO 80 KB, dS 40 KB, dQ 40 KB = 224 KB.
     // Segment ids too, masked after dS^T like a band (their keys' row ranges
     // read there; the producer says which steps need it): segment backward
-    // -17% to -21% time (H200). Softcap keeps 64 rows (224 KB): its own P^T
-    // operand has no room beside the 80-row step's registers.
-    case 128:
-      return score == ScoreKind::kPlain ? Sm90BwdTile{80, 128, 2, false, 1, true}
-                                        : Sm90BwdTile{64, 128, 2};
+    // -17% to -21% time (H200). Softcap too, its cap's derivative taken from
+    // P^T where dS^T is computed (mainloop_bwd_sm90.h, kCapFromP).
+    case 128: return {80, 128, 2, false, 1, true};
     // 225 KB: one Q/dO stage and one dQ buffer are what fit beside 64 keys'
     // K and V and the P^T and dS buffers.
     case 256: return {64, 64, 1, true, 1};

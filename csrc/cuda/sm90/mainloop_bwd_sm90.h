@@ -196,6 +196,15 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
   // (Traits::kTightRegisters), or with kOwnKeys, whose turns issue dK, dV and
   // dQ together.
   constexpr bool kLateDv = Traits::kTightRegisters || kOwnKeys;
+  constexpr bool kSoftcap = kScore == ScoreKind::kSoftcap;
+  // Softcap's derivative 1 - t^2 needs t where dS^T is computed. With
+  // Traits::kTightRegisters acc_s holds P^T there, as without softcap, and
+  // t comes back from it: log2(P) = t * scale_log2 - lse_log2, one MUFU lg2
+  // per score and no registers held across the step (P^T's own 16-bit copy
+  // beside P^T (1 - t^2), as the other tiles keep it, has no room at 80
+  // rows). The error of t that way is ~1e-7 (P and lse in float32), against
+  // tanh.approx's own 2^-11.
+  constexpr bool kCapFromP = kSoftcap && Traits::kTightRegisters;
   // Where a band's per-element mask is applied. In the exponent loop (P = -0
   // where hidden, which the dS^T loop then finds by its sign), dP^T's product
   // is in flight and S^T, dP^T, dK and dV hold 208 of the 240 registers; with
@@ -205,11 +214,10 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
   // product is in flight and lse and delta are dead, P^T and dS^T are set to
   // 0 where hidden (no spill). Either way a hidden score's P and dS are exact
   // zeros whatever the score was (inf, NaN).
-  // (Not with softcap, whose dV operand is a copy of its own, made in the
-  // exponent loop.)
+  // (Not with softcap's own dV operand, a copy made in the exponent loop.)
   // Segment ids alike (Traits::kStepMaskFlags, segment_hide_late), their keys'
   // row ranges read again for the late pass rather than kept.
-  constexpr bool kLateMask = kLateDv && !Mask::kDense && kScore != ScoreKind::kSoftcap;
+  constexpr bool kLateMask = kLateDv && !Mask::kDense && (!kSoftcap || kCapFromP);
   static_assert(!(kLateMask && Mask::kHasSegments) || Traits::kStepMaskFlags);
   const int lane = tidx % 32;
   const bool warp_leader = lane == 0;
@@ -341,14 +349,10 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
     const int key_limit =
         static_cast<int>(mask.band().keys_of_rows(0, params.seqlen_q, params.seqlen_k).end);
     // Softcap: P^T of the capped score t (recomputed from S^T here rather than
-    // kept: registers are what this kernel lacks) goes to p_cap in Element for
-    // the dV product at once, and acc_s keeps P^T (1 - t^2) for dS^T (-0
-    // where masked, as P).
-    constexpr bool kSoftcap = kScore == ScoreKind::kSoftcap;
-    // The register-tight order converts acc_s to P^T after dS^T: it holds P^T
-    // itself only without softcap (softcap calls run the band or segment masks,
-    // whose tiles sm90_bwd_tile keeps at 64 rows for softcap).
-    static_assert(!(kSoftcap && Traits::kTightRegisters));
+    // kept: registers are what this kernel lacks). Without kCapFromP it goes
+    // to p_cap in Element for the dV product at once, and acc_s keeps P^T
+    // (1 - t^2) for dS^T (-0 where masked, as P); with it acc_s keeps P^T.
+    constexpr bool kOwnPOperand = kSoftcap && !kCapFromP;
     Tensor p_cap = make_tensor<Element>(acc_s.layout());
     Tensor p_cap_rc = make_tensor(p_cap.data(), acc_rowcol(acc_s.layout()));
     CUTE_UNROLL
@@ -358,7 +362,7 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
       for (int c = 0; c < kCols; ++c) {
         const float score = kSoftcap ? fast_tanh(s_rc(r, c) * params.softcap_scale) : s_rc(r, c);
         float p = fast_exp2(fmaf(score, params.softmax_scale_log2, -lse_log2[c]));
-        float ds_factor = kSoftcap ? p * (1.f - score * score) : p;
+        float ds_factor = kOwnPOperand ? p * (1.f - score * score) : p;
         if (!kLateMask && needs_mask) {
           const int key = key0 + get<0>(cS_rc(r, c));
           const int row = row0 + get<1>(cS_rc(r, c));
@@ -369,7 +373,7 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
           if (hidden) p = ds_factor = -0.f;
         }
         s_rc(r, c) = ds_factor;
-        if constexpr (kSoftcap) {
+        if constexpr (kOwnPOperand) {
           // Columns 2j and 2j + 1 are neighbours in the fragment: one conversion.
           p_pair[c % 2] = p;
           if (c % 2 == 1) {
@@ -382,7 +386,7 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
     }
     // P^T in Element, the A operand of the dV product.
     auto p_elements = [&] {
-      if constexpr (kSoftcap) {
+      if constexpr (kOwnPOperand) {
         return p_cap;
       } else {
         return convert_fragment<Element>(acc_s);
@@ -417,6 +421,14 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
     Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
     float delta[kCols];
     load_column_stat<Traits::kTightRegisters>(delta, smem.delta[own][buffer], cS_rc, lane);
+    // kCapFromP: the step's lse again (its buffer holds it until the next dS
+    // barrier), and t = (log2(P) + lse_log2) / scale_log2.
+    float cap_lse_log2[kCapFromP ? kCols : 1];
+    float cap_inv_scale = 0.f;
+    if constexpr (kCapFromP) {
+      load_column_stat<true>(cap_lse_log2, smem.lse_log2[own][buffer], cS_rc, lane);
+      asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(cap_inv_scale) : "f"(params.softmax_scale_log2));
+    }
     // P's sign bit (that of P (1 - t^2) with softcap) is set only where masked
     // (-0; exp2 gives +0 and positive NaNs): spread into a mask, it clears dS
     // there. Unmasked tiles have no -0, so the mask is all ones; the two
@@ -428,8 +440,13 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
       for (int c = 0; c < kCols; ++c) {
         const uint32_t keep =
             ~static_cast<uint32_t>(static_cast<int32_t>(__float_as_uint(s_rc(r, c))) >> 31);
-        dp_rc(r, c) =
-            __uint_as_float(__float_as_uint(s_rc(r, c) * (dp_rc(r, c) - delta[c])) & keep);
+        float ds = s_rc(r, c) * (dp_rc(r, c) - delta[c]);
+        if constexpr (kCapFromP) {
+          // 1 - t^2, 0 where P underflowed (t = -inf); NaN stays in ds.
+          const float t = (fast_log2(s_rc(r, c)) + cap_lse_log2[c]) * cap_inv_scale;
+          ds *= fmaxf(fmaf(-t, t, 1.f), 0.f);
+        }
+        dp_rc(r, c) = __uint_as_float(__float_as_uint(ds) & keep);
       }
     }
     // kLateMask: the band's mask, on P^T (the dV product's operand, converted

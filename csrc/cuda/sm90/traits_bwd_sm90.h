@@ -136,9 +136,11 @@ struct BwdTraitsSm90 {
   // the consumers themselves, the summaries' dependent loads and 64-bit
   // arithmetic ran 38% more instructions than the unmasked kernel. Head dim
   // 64's segment kernels (not masked late) skip their keys' row ranges on
-  // full tiles by the same flag.
+  // full tiles by the same flag, except with softcap (its own P^T operand
+  // left no registers for it there).
   static constexpr bool kStepMaskFlags =
-      kMaskKind == MaskKind::kSegments && kScoreKind != ScoreKind::kSoftcap && !kPdSShared;
+      kMaskKind == MaskKind::kSegments && !kPdSShared &&
+      (kScoreKind != ScoreKind::kSoftcap || kTightRegisters);
   // S^T = K Q^T, dP^T = V dO^T: M = block_n, N = block_m, K = head_dim; both K-major.
   using TiledMmaSdP = decltype(make_tiled_mma(
       ss_op<Element, Shape<_64, Int<kSdPCols>, Int<kHeadDim>>>(), ConsumerSplit{}));
