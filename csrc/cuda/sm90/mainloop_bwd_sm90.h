@@ -197,14 +197,14 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
   // dQ together.
   constexpr bool kLateDv = Traits::kTightRegisters || kOwnKeys;
   constexpr bool kSoftcap = kScore == ScoreKind::kSoftcap;
-  // Softcap's derivative 1 - t^2 needs t where dS^T is computed. With
-  // Traits::kTightRegisters acc_s holds P^T there, as without softcap, and
-  // t comes back from it: log2(P) = t * scale_log2 - lse_log2, one MUFU lg2
-  // per score and no registers held across the step (P^T's own 16-bit copy
-  // beside P^T (1 - t^2), as the other tiles keep it, has no room at 80
-  // rows). The error of t that way is ~1e-7 (P and lse in float32), against
-  // tanh.approx's own 2^-11.
-  constexpr bool kCapFromP = kSoftcap && Traits::kTightRegisters;
+  // Softcap's derivative 1 - t^2 needs t where dS^T is computed. The other
+  // tiles keep P^T (1 - t^2) in acc_s and P^T's own 16-bit copy for the dV
+  // product beside it, which the register-tight step (Traits::
+  // kTightRegisters) has no room for. There the exponent loop leaves t in
+  // acc_s, and the dS^T loop computes P^T from it (the step's lse read
+  // there), dS^T with 1 - t^2, and leaves P^T in acc_s for the late dV
+  // product, as without softcap.
+  constexpr bool kCapLate = kSoftcap && Traits::kTightRegisters;
   // Where a band's per-element mask is applied. In the exponent loop (P = -0
   // where hidden, which the dS^T loop then finds by its sign), dP^T's product
   // is in flight and S^T, dP^T, dK and dV hold 208 of the 240 registers; with
@@ -217,7 +217,7 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
   // (Not with softcap's own dV operand, a copy made in the exponent loop.)
   // Segment ids alike (Traits::kStepMaskFlags, segment_hide_late), their keys'
   // row ranges read again for the late pass rather than kept.
-  constexpr bool kLateMask = kLateDv && !Mask::kDense && (!kSoftcap || kCapFromP);
+  constexpr bool kLateMask = kLateDv && !Mask::kDense && (!kSoftcap || kCapLate);
   static_assert(!(kLateMask && Mask::kHasSegments) || Traits::kStepMaskFlags);
   const int lane = tidx % 32;
   const bool warp_leader = lane == 0;
@@ -345,14 +345,16 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
                   mask.tile_class(row0, min(row0 + kBlockM, params.seqlen_q), key0,
                                   key0 + kBlockN) != TileClass::kFull;
     float lse_log2[kCols];  // of this thread's query rows (columns)
-    load_column_stat<Traits::kTightRegisters>(lse_log2, smem.lse_log2[own][buffer], cS_rc, lane);
+    if constexpr (!kCapLate) {
+      load_column_stat<Traits::kTightRegisters>(lse_log2, smem.lse_log2[own][buffer], cS_rc, lane);
+    }
     const int key_limit =
         static_cast<int>(mask.band().keys_of_rows(0, params.seqlen_q, params.seqlen_k).end);
     // Softcap: P^T of the capped score t (recomputed from S^T here rather than
-    // kept: registers are what this kernel lacks). Without kCapFromP it goes
+    // kept: registers are what this kernel lacks). Without kCapLate it goes
     // to p_cap in Element for the dV product at once, and acc_s keeps P^T
-    // (1 - t^2) for dS^T (-0 where masked, as P); with it acc_s keeps P^T.
-    constexpr bool kOwnPOperand = kSoftcap && !kCapFromP;
+    // (1 - t^2) for dS^T (-0 where masked, as P); with it acc_s keeps t.
+    constexpr bool kOwnPOperand = kSoftcap && !kCapLate;
     Tensor p_cap = make_tensor<Element>(acc_s.layout());
     Tensor p_cap_rc = make_tensor(p_cap.data(), acc_rowcol(acc_s.layout()));
     CUTE_UNROLL
@@ -361,6 +363,10 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) {
         const float score = kSoftcap ? fast_tanh(s_rc(r, c) * params.softcap_scale) : s_rc(r, c);
+        if constexpr (kCapLate) {
+          s_rc(r, c) = score;
+          continue;
+        }
         float p = fast_exp2(fmaf(score, params.softmax_scale_log2, -lse_log2[c]));
         float ds_factor = kOwnPOperand ? p * (1.f - score * score) : p;
         if (!kLateMask && needs_mask) {
@@ -421,13 +427,8 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
     Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
     float delta[kCols];
     load_column_stat<Traits::kTightRegisters>(delta, smem.delta[own][buffer], cS_rc, lane);
-    // kCapFromP: the step's lse again (its buffer holds it until the next dS
-    // barrier), and t = (log2(P) + lse_log2) / scale_log2.
-    float cap_lse_log2[kCapFromP ? kCols : 1];
-    float cap_inv_scale = 0.f;
-    if constexpr (kCapFromP) {
-      load_column_stat<true>(cap_lse_log2, smem.lse_log2[own][buffer], cS_rc, lane);
-      asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(cap_inv_scale) : "f"(params.softmax_scale_log2));
+    if constexpr (kCapLate) {
+      load_column_stat<true>(lse_log2, smem.lse_log2[own][buffer], cS_rc, lane);
     }
     // P's sign bit (that of P (1 - t^2) with softcap) is set only where masked
     // (-0; exp2 gives +0 and positive NaNs): spread into a mask, it clears dS
@@ -438,15 +439,18 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) {
+        if constexpr (kCapLate) {
+          // acc_s holds t; masked late (kLateMask), so no -0 to find.
+          const float t = s_rc(r, c);
+          const float p = fast_exp2(fmaf(t, params.softmax_scale_log2, -lse_log2[c]));
+          dp_rc(r, c) = p * (dp_rc(r, c) - delta[c]) * fmaf(-t, t, 1.f);
+          s_rc(r, c) = p;
+          continue;
+        }
         const uint32_t keep =
             ~static_cast<uint32_t>(static_cast<int32_t>(__float_as_uint(s_rc(r, c))) >> 31);
-        float ds = s_rc(r, c) * (dp_rc(r, c) - delta[c]);
-        if constexpr (kCapFromP) {
-          // 1 - t^2, 0 where P underflowed (t = -inf); NaN stays in ds.
-          const float t = (fast_log2(s_rc(r, c)) + cap_lse_log2[c]) * cap_inv_scale;
-          ds *= fmaxf(fmaf(-t, t, 1.f), 0.f);
-        }
-        dp_rc(r, c) = __uint_as_float(__float_as_uint(ds) & keep);
+        dp_rc(r, c) =
+            __uint_as_float(__float_as_uint(s_rc(r, c) * (dp_rc(r, c) - delta[c])) & keep);
       }
     }
     // kLateMask: the band's mask, on P^T (the dV product's operand, converted
