@@ -372,8 +372,8 @@ constexpr Sm90BwdTile sm90_bwd_tile(int head_dim, MaskKind mask,
     // what fits: K, V 64 KB, Q, dO 80 KB, dS 40 KB, dQ 40 KB = 224 KB.
     // Segment ids too, masked after dS^T like a band (their keys' row ranges
     // read there; the producer says which steps need it): segment backward
-    // -17% to -21% time (H200). Softcap too, its cap's derivative taken from
-    // P^T where dS^T is computed (mainloop_bwd_sm90.h, kCapFromP).
+    // -17% to -21% time (H200). Softcap too, its P^T computed where dS^T is
+    // (mainloop_bwd_sm90.h, kCapLate): forward+backward +13% against 64 rows.
     case 128: return {80, 128, 2, false, 1, true};
     // 225 KB: one Q/dO stage and one dQ buffer are what fit beside 64 keys'
     // K and V and the P^T and dS buffers.
