@@ -349,7 +349,7 @@ constexpr Sm90BwdTile sm90_bwd_tile(int head_dim, MaskKind mask,
     // causal (H100, seq 4k and 16k), for a 20-byte spill.
     // Band calls (causal, windows): dQ over each consumer's own keys, one dQ
     // staging buffer of the whole tile per consumer (64 KB) and one dS buffer
-    // each (32 KB): 192 KB, an 8-byte spill. Causal forward+backward +5% to
+    // each (32 KB): 192 KB, a 28-byte spill. Causal forward+backward +5% to
     // +6% at seq 4k and 16k, unmasked -2% (H100; docs/hopper_backward.md,
     // "Head dim 64 under a band"). Segment ids and softcap keep the shared
     // dS: with their per-key state or softcap's own P^T operand beside the
