@@ -99,24 +99,36 @@ def chunked_attention(n, causal):
         qs, ks, vs, os_, dos = (blocks(x) for x in (q, k, v, out, dout))
         block = qs[0].shape[1]
         lses = [lse[..., i * block:(i + 1) * block] for i in range(n)]
-        dq = [jnp.zeros(x.shape, f32) for x in qs]
+        dq = [None] * n
         dk = [jnp.zeros(x.shape, f32) for x in ks]
         dv = [jnp.zeros(x.shape, f32) for x in vs]
         for idx in range(n):
+            # As the ring: the first step's call (all of the block's rows)
+            # starts the float32 dq sum and gives the rows' delta, the later
+            # ones add into it.
             dlse = jnp.zeros_like(lses[idx])
+            delta = None
             for step in range(n):
                 src = (idx - step) % n
                 for r0, rn, k0, kn, hi in ring_pairs(n, causal, block, idx, step):
                     rows = slice(r0, r0 + rn)
                     keys = slice(k0, k0 + kn)
-                    gq, gk, gv = bwd_call(
-                        qs[idx][:, rows], ks[src][:, keys], vs[src][:, keys], os_[idx][:, rows],
-                        dos[idx][:, rows], lses[idx][..., rows], dlse[..., rows], -rn, hi,
-                    )
-                    dq[idx] = dq[idx].at[:, rows].add(gq.astype(f32))
+                    q_rows, k_keys, v_keys = qs[idx][:, rows], ks[src][:, keys], vs[src][:, keys]
+                    if delta is None:
+                        dq[idx], gk, gv, delta = bwd_call.start(
+                            q_rows, k_keys, v_keys, os_[idx][:, rows], dos[idx][:, rows],
+                            lses[idx][..., rows], dlse[..., rows], -rn, hi,
+                        )
+                    else:
+                        dq[idx], gk, gv = bwd_call.add(
+                            dq[idx], r0, q_rows, k_keys, v_keys, dos[idx][:, rows],
+                            lses[idx][..., rows], delta[..., rows], -rn, hi,
+                        )
                     dk[src] = dk[src].at[:, keys].add(gk.astype(f32))
                     dv[src] = dv[src].at[:, keys].add(gv.astype(f32))
-        grads = tuple(jnp.concatenate(g, 1).astype(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
+        dq = [bwd_call.dq(acc, q.dtype) for acc in dq]
+        grads = (jnp.concatenate(dq, 1),
+                 *(jnp.concatenate(g, 1).astype(x.dtype) for g, x in ((dk, k), (dv, v))))
         # Materialized, as a ring's outputs are (they leave a shard_map and a
         # loop): otherwise XLA fuses the caller's use of dq into the chunks'
         # chain of updates (the timed loop's rms of dq took 8.3 ms of a 118 ms

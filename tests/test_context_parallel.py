@@ -18,6 +18,8 @@ from jax.sharding import PartitionSpec as P
 import jflash
 import reference64
 from checks import assert_within_rule, plain_dtype
+from dq_modes import check_dq_modes
+from jflash._src import kernel_calls
 from jflash.context_parallel import ring_attention, shard_sequence, unshard_sequence
 from jflash.reference import attention_band as reference_band
 
@@ -282,6 +284,27 @@ def test_shard_and_unshard_sequence(rng):
     np.testing.assert_array_equal(np.asarray(unshard_sequence(y, 4)), np.asarray(x))
     z = shard_sequence(x, 2, seq_axis=-2)
     np.testing.assert_array_equal(np.asarray(unshard_sequence(z, 2, seq_axis=1)), np.asarray(x))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=str)
+def test_ring_dq_modes_add_up(rng, dtype):
+    """The CPU kernel's dq modes, which the ring's steps use (tests/dq_modes.py):
+    the kept float32 sum, the delta it returns, and a call that adds into it
+    at a row offset, bit for bit against the plain calls' sums."""
+    check_dq_modes(rng, dtype=dtype, head_dim=64, on_cpu=True, exact=True)
+
+
+def test_dq_mode_arguments_are_checked(rng):
+    q, k, v, dout, dlse = _inputs(rng, batch=1, seq=16, heads=2, heads_kv=2, head_dim=32)
+    call = kernel_calls.bwd_band_call(1.0, on_cpu=True)
+    out, lse = kernel_calls._fwd_ffi(q, k, v, softmax_scale=1.0, diag_lo=-16, diag_hi=16)
+    accum, _, _, delta = call.start(q, k, v, out, dout, lse, dlse, -16, 16)
+    with pytest.raises(Exception, match="dq_accum_row_offset"):  # 8 rows from row 9 of 16
+        jax.block_until_ready(call.add(accum, 9, q[:, :8], k, v, dout[:, :8], lse[..., :8],
+                                       delta[..., :8], -16, 16))
+    with pytest.raises(ValueError, match="DQ_ADD_TO_ACCUM"):
+        kernel_calls._bwd_ffi(q, k, v, out, dout, lse, dlse, softmax_scale=1.0, diag_lo=-16,
+                              diag_hi=16, on_cpu=True, row_offset=3)
 
 
 def test_errors(rng):

@@ -29,6 +29,7 @@ import pytest
 
 import jflash
 from checks import assert_within_rule
+from dq_modes import check_dq_modes
 from segments import case_id as segment_case_id
 from segments import check_against_reference as check_segments
 from jflash._src.flash_attention import attention_band
@@ -820,6 +821,21 @@ for (sq, sk, h, hkv, d, lo, hi) in ((129, 1000, 4, 2, 128, None, None),
         assert_within_rule(name, x, p, t, jnp.bfloat16)
 print("sm80 forward on Hopper: ok")
 """
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_dq_modes(rng, deterministic):
+    """The dq modes of a context-parallel ring's steps (tests/dq_modes.py) on the
+    CUDA backward: the kept float32 sum, its delta, and an add at a row offset
+    that is not a tile multiple (the reduce-adds' rows, GQA, a band)."""
+    check_dq_modes(rng, dtype=jnp.bfloat16, head_dim=128, on_cpu=False, exact=False,
+                   deterministic=deterministic)
+
+
+@pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")
+def test_dq_modes_on_sm80_backward():
+    """The same on the sm80 backward (its float32 atomics into the sum)."""
+    _pytest_in_subprocess("test_dq_modes", JFLASH_CUDA_BACKWARD="sm80")
 
 
 @pytest.mark.skipif(not _is_hopper(), reason="needs a compute capability 9.0 GPU")

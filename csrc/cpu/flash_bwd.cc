@@ -13,7 +13,8 @@
 // Recomputing costs two of the five GEMMs again but makes every dq row the sum,
 // in fixed key order, of one task: the result is deterministic. dq accumulates
 // in that task's float32 tile; params.dq_accum (scratch of the GPU kernels) is
-// not needed here.
+// not needed here, except where the caller takes it or adds into it (params.h,
+// DqMode; then delta may be the caller's too, and the first pass is skipped).
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -295,10 +296,23 @@ JFLASH_INLINE void dq_block(const BwdParams& params, int64_t task) {
     gemm<T, Accumulate::kAdd>(q_pad, d_pad, k_pad, ds_t, 1, q_pad, k_tile, d_pad, dq, d_pad);
   }
 
-  store_tile(dq, d_pad, q_rows, head_dim, params.softmax_scale, params.dtype, params.dq,
-             batch * params.dq_batch_stride + q0 * params.dq_row_stride +
-                 head * params.dq_head_stride,
-             params.dq_row_stride);
+  if (params.dq_mode == DqMode::kWrite) {
+    store_tile(dq, d_pad, q_rows, head_dim, params.softmax_scale, params.dtype, params.dq,
+               batch * params.dq_batch_stride + q0 * params.dq_row_stride +
+                   head * params.dq_head_stride,
+               params.dq_row_stride);
+    return;
+  }
+  // The caller's float32 dq_accum, without softmax_scale (params.h, DqMode).
+  float* accum = params.dq_accum + ((batch * params.num_heads + head) * params.dq_accum_rows + q0) *
+                                       head_dim;
+  const bool add = params.dq_mode == DqMode::kAddToAccum;
+  for (int i = 0; i < q_rows; ++i) {
+    for (int c = 0; c < head_dim; ++c) {
+      accum[int64_t{i} * head_dim + c] = (add ? accum[int64_t{i} * head_dim + c] : 0.0f) +
+                                         dq[i * d_pad + c];
+    }
+  }
 }
 
 enum class BwdPass { kDelta, kDkDv, kDq };
@@ -345,7 +359,9 @@ void run_bwd(const BwdParams& params, MaskKind mask,
                           ceil_div(params.seqlen_q, T::kBwdBlockQ);
   const int64_t k_tasks = int64_t{params.batch} * params.num_heads_kv *
                           ceil_div(params.seqlen_k, T::kBwdBlockK);
-  parallel_for(q_tasks, [&](int64_t task) { entry(params, mask, BwdPass::kDelta, task); });
+  if (params.dq_mode != DqMode::kAddToAccum) {  // else delta is the caller's
+    parallel_for(q_tasks, [&](int64_t task) { entry(params, mask, BwdPass::kDelta, task); });
+  }
   // dk/dv and dq both only read delta, so they share one job: no thread idles
   // at a barrier between them.
   parallel_for(k_tasks + q_tasks, [&](int64_t task) {

@@ -13,8 +13,9 @@ namespace jflash::cpu {
 void flash_fwd(const FwdParams& params, MaskKind mask);
 
 // dq, dk, dv <- backward of flash_fwd, recomputing P from lse. Uses params.delta
-// as float32 scratch; params.dq_accum (the CUDA kernels' scratch) is not used and
-// is null. GQA gradients are summed into the kv head inside the kernel.
+// as float32 scratch (or reads the caller's); dq goes where params.dq_mode says:
+// dq, or the caller's float32 dq_accum (null, unused, with DqMode::kWrite). GQA
+// gradients are summed into the kv head inside the kernel.
 void flash_bwd(const BwdParams& params, MaskKind mask);
 
 // out, lse <- decode attention over a KV cache (params.h, DecodeParams), after

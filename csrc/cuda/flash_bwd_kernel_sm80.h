@@ -327,7 +327,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     clear(acc_dq);
     gemm_ss<Traits::kTf32Passes>(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq, smem_tiled_copy_dS,
             smem_thr_copy_dS, smem_tiled_copy_Kt, smem_thr_copy_Kt);
-    float* dq_accum = params.dq_accum + row_offset * kHeadDim;
+    float* dq_accum = params.dq_accum + (int64_t{batch} * params.num_heads + head) *
+                                            params.dq_accum_rows * kHeadDim;
     // Deterministic mode: the earlier key blocks of this query block add first.
     if (steps.ordered()) {
       if (tidx == 0) {

@@ -389,13 +389,16 @@ cudaError_t launch_bwd_preprocess(const BwdParams& params, const LaunchContext& 
       return err;
     }
   }
+  // Adding into the caller's dq_accum with the caller's delta: nothing to do.
+  if (params.dq_mode == DqMode::kAddToAccum) return cudaSuccess;
   flash_bwd_delta_kernel<Element, kHeadDim><<<ctx.sm_count * 8, kPrepThreads, 0, ctx.stream>>>(
       params);
   return cudaGetLastError();
 }
 
-// After the main kernel: dq = softmax_scale * dq_accum in the input dtype, and
-// dk, dv from dkv_accum where GQA groups were split.
+// After the main kernel: dq = softmax_scale * dq_accum in the input dtype
+// (unless the caller takes dq_accum: DqMode), and dk, dv from dkv_accum where
+// GQA groups were split.
 template <typename Element>
 cudaError_t launch_bwd_postprocess(const BwdParams& params, const LaunchContext& ctx) {
   if (params.head_splits > 1) {
@@ -403,7 +406,7 @@ cudaError_t launch_bwd_postprocess(const BwdParams& params, const LaunchContext&
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   }
   const int64_t rows = int64_t{params.batch} * params.num_heads * params.seqlen_q;
-  if (rows == 0) return cudaSuccess;
+  if (rows == 0 || params.dq_mode != DqMode::kWrite) return cudaSuccess;
   flash_bwd_convert_dq_kernel<Element><<<ctx.sm_count * 8, kPrepThreads, 0, ctx.stream>>>(
       params);
   return cudaGetLastError();

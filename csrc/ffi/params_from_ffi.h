@@ -238,34 +238,71 @@ inline ffi::Error FillFwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
 inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                 ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
                                 ffi::AnyBuffer dlse, const SegmentBuffers& segments,
+                                ffi::AnyBuffer delta_in, ffi::AnyBuffer dq_accum_in,
                                 ffi::AnyBuffer dq, ffi::AnyBuffer dk,
                                 ffi::AnyBuffer dv, ffi::AnyBuffer dq_accum, ffi::AnyBuffer delta,
                                 ffi::AnyBuffer dq_semaphore, ffi::AnyBuffer dkv_accum,
                                 float softmax_scale, int64_t diag_lo, int64_t diag_hi,
-                                float softcap, BwdParams* p, bool uses_dq_accum = true) {
+                                float softcap, int64_t dq_mode, int64_t dq_accum_row_offset,
+                                BwdParams* p, bool uses_dq_accum = true) {
   if (auto err = FillFwdParams(q, k, v, segments, out, lse, softmax_scale, diag_lo, diag_hi,
                                softcap, p);
       err.failure()) {
     return err;
   }
+  if (dq_mode < 0 || dq_mode > 2) {
+    return ffi::Error::InvalidArgument("jflash: dq_mode must be 0, 1 or 2");
+  }
+  const DqMode mode = static_cast<DqMode>(dq_mode);
+  const bool adds = mode == DqMode::kAddToAccum;
   const int64_t rows = int64_t{p->batch} * p->num_heads * p->seqlen_q;
   if (dout.element_type() != q.element_type() || dq.element_type() != q.element_type() ||
       dk.element_type() != q.element_type() || dv.element_type() != q.element_type()) {
     return ffi::Error::InvalidArgument("jflash: dout, dq, dk, dv must have the dtype of q");
   }
-  if (dout.element_count() != q.element_count() || dq.element_count() != q.element_count() ||
+  const int64_t dq_count = mode == DqMode::kWrite ? q.element_count() : 0;
+  if (dout.element_count() != q.element_count() || dq.element_count() != dq_count ||
       dk.element_count() != k.element_count() || dv.element_count() != v.element_count()) {
     return ffi::Error::InvalidArgument("jflash: gradient shapes must match q, k, v");
   }
-  // dq_accum is the float32 dq scratch of the CUDA kernels: [rows, head_dim].
-  // A handler whose kernels do not use it (uses_dq_accum false: the CPU one)
-  // also takes an empty buffer, which jflash/_src/kernel_calls.py passes on CPU.
-  const bool dq_accum_ok = dq_accum.element_count() == rows * p->head_dim ||
-                           (!uses_dq_accum && dq_accum.element_count() == 0);
+  // dq_accum: [batch, num_heads, accum_rows, head_dim] float32. The CUDA
+  // kernels' scratch (accum_rows = seqlen_q) with dq_mode 0, where a handler
+  // whose kernels do not use it (uses_dq_accum false: the CPU one) takes an
+  // empty buffer; the result with 1; with 2 the caller's accumulator (aliased
+  // to dq_accum_in), of which this call's rows start at dq_accum_row_offset.
+  const bool accum_used = uses_dq_accum || mode != DqMode::kWrite;
+  const int64_t row_elems = int64_t{p->batch} * p->num_heads * p->head_dim;
+  int64_t accum_rows = p->seqlen_q;
+  if (adds && row_elems > 0) {
+    if (dq_accum.element_count() % row_elems != 0) {
+      return ffi::Error::InvalidArgument("jflash: bad dq_accum buffer");
+    }
+    accum_rows = dq_accum.element_count() / row_elems;
+  }
+  if (accum_rows > INT32_MAX || dq_accum_row_offset < 0 ||
+      (!adds && dq_accum_row_offset != 0) ||
+      dq_accum_row_offset > accum_rows - p->seqlen_q) {
+    return ffi::Error::InvalidArgument(
+        "jflash: dq_accum_row_offset must leave seqlen_q rows of dq_accum (0 unless dq_mode 2)");
+  }
+  const bool dq_accum_ok = dq_accum.element_count() == accum_rows * row_elems ||
+                           (!accum_used && dq_accum.element_count() == 0);
   if (dlse.element_type() != ffi::DataType::F32 || dlse.element_count() != rows ||
-      delta.element_type() != ffi::DataType::F32 || delta.element_count() != rows ||
+      delta.element_type() != ffi::DataType::F32 || delta.element_count() != (adds ? 0 : rows) ||
       dq_accum.element_type() != ffi::DataType::F32 || !dq_accum_ok) {
     return ffi::Error::InvalidArgument("jflash: bad dlse, delta or dq_accum buffer");
+  }
+  // With dq_mode 2 the caller passes its delta and its accumulator, which XLA
+  // aliases to the dq_accum result (input_output_aliases): the same memory.
+  if (delta_in.element_type() != ffi::DataType::F32 ||
+      delta_in.element_count() != (adds ? rows : 0) ||
+      dq_accum_in.element_type() != ffi::DataType::F32 ||
+      dq_accum_in.element_count() != (adds ? dq_accum.element_count() : 0) ||
+      (adds && dq_accum_in.untyped_data() != dq_accum.untyped_data() &&
+       dq_accum.element_count() > 0)) {
+    return ffi::Error::InvalidArgument(
+        "jflash: dq_mode 2 takes delta_in and dq_accum_in (aliased to dq_accum); other modes "
+        "neither");
   }
   // dq_semaphore: empty (dQ additions in any order) or one int32 counter per
   // slot of params.h's dq_semaphore_slots (deterministic mode).
@@ -285,8 +322,12 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   p->dq = dq.untyped_data();
   p->dk = dk.untyped_data();
   p->dv = dv.untyped_data();
-  p->dq_accum = uses_dq_accum ? static_cast<float*>(dq_accum.untyped_data()) : nullptr;
-  p->delta = static_cast<float*>(delta.untyped_data());
+  p->dq_mode = mode;
+  p->dq_accum_rows = static_cast<int>(accum_rows);
+  p->dq_accum = accum_used ? static_cast<float*>(dq_accum.untyped_data()) +
+                                 dq_accum_row_offset * p->head_dim
+                           : nullptr;
+  p->delta = static_cast<float*>(adds ? delta_in.untyped_data() : delta.untyped_data());
   p->dq_semaphore = uses_dq_accum && dq_semaphore.element_count() > 0
                         ? static_cast<int*>(dq_semaphore.untyped_data())
                         : nullptr;

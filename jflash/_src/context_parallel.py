@@ -445,8 +445,9 @@ def _gather_fwd(q, k, v, *, plan, call):
 def sharded_bwd(q, k, v, out, dout, lse, dlse, *, plan, call):
     """Per-device backward -> (dq, dk, dv) of the local blocks.
 
-    call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi) -> (dq, dk, dv) is the
-    kernel backward; out and lse are the merged (global) ones of the rows.
+    call: a kernel_calls.BwdBandCall (call(q, k, v, out, dout, lse, dlse,
+    diag_lo, diag_hi) -> (dq, dk, dv), and the ring's start / add / dq); out
+    and lse are the merged (global) ones of the rows.
     """
     if plan.strategy == "all_gather":
         return _gather_bwd(q, k, v, out, dout, lse, dlse, plan=plan, call=call)
@@ -454,47 +455,49 @@ def sharded_bwd(q, k, v, out, dout, lse, dlse, *, plan, call):
 
 
 def _ring_bwd(q, k, v, out, dout, lse, dlse, *, plan, call):
+    """The ring's steps add into one float32 dq sum (kernel layout, [..., heads,
+    seq, head_dim]) with the delta of the first step's call, which covers all
+    the device's rows: no zeroing, conversion or delta per step, and dq is
+    rounded once. dK and dV (float32) travel with their K/V block."""
     lq, lk = q.shape[-3], k.shape[-3]
     n = plan.axis_size
     idx = _axis_index(plan)
-    rows = (q, out, dout, lse, dlse)
+    rows = (q, dout, lse)
 
     def send(x):
         return jax.lax.ppermute(x, plan.axis_name, _ring_perm(n))
 
     def first(_, kv):
-        grads = call(q, *kv, out, dout, lse, dlse, -lq, 0 if plan.causal else lk)
-        return tuple(g.astype(_F32) for g in grads)
+        dq, dk, dv, delta = call.start(q, *kv, out, dout, lse, dlse, -lq,
+                                       0 if plan.causal else lk)
+        return dq, dk.astype(_F32), dv.astype(_F32), delta
 
     def step(acc, kv, s):
-        dq, dk, dv = acc
+        dq, dk, dv, delta = acc
         dk, dv = send((dk, dv))  # the accumulators follow their K/V block
-        return _ring_bwd_step(rows, kv, (dq, dk, dv), s, idx, plan, call)
+        return (*_ring_bwd_step(rows, delta, kv, (dq, dk, dv), s, idx, plan, call), delta)
 
     def last(acc):
-        dq, dk, dv = acc
-        return (dq, *send((dk, dv))) if n > 1 else acc  # home to the block's device
+        dq, dk, dv, _ = acc
+        return (dq, *send((dk, dv))) if n > 1 else (dq, dk, dv)  # home to the block's device
 
     dq, dk, dv = _ring_loop(first, step, last, n, None, (k, v), plan)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return call.dq(dq, q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def _ring_bwd_step(rows, kv, acc, step, idx, plan, call):
-    q, out, dout, lse, dlse = rows
+def _ring_bwd_step(rows, delta, kv, acc, step, idx, plan, call):
+    q, dout, lse = rows
     k, v = kv
     lq, lk = q.shape[-3], k.shape[-3]
 
     def pair(row_start, row_count, key_start, key_count, diag_hi, acc, k, v):
         dq, dk, dv = acc
-        sub = [_q_rows(x, row_start, row_count) for x in (q, out, dout)]
-        sub_lse = [_lse_rows(x, row_start, row_count) for x in (lse, dlse)]
+        sub = [_q_rows(x, row_start, row_count) for x in (q, dout)]
         kk, vv = _q_rows(k, key_start, key_count), _q_rows(v, key_start, key_count)
-        gq, gk, gv = call(sub[0], kk, vv, sub[1], sub[2], *sub_lse, -row_count, diag_hi)
-        return (
-            _add_q_rows(dq, gq, row_start),
-            _add_q_rows(dk, gk, key_start),
-            _add_q_rows(dv, gv, key_start),
-        )
+        dq, gk, gv = call.add(dq, row_start, sub[0], kk, vv, sub[1],
+                              _lse_rows(lse, row_start, row_count),
+                              _lse_rows(delta, row_start, row_count), -row_count, diag_hi)
+        return dq, _add_q_rows(dk, gk, key_start), _add_q_rows(dv, gv, key_start)
 
     if not plan.causal:
         return pair(0, lq, 0, lk, lk, acc, k, v)

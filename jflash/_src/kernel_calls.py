@@ -104,13 +104,39 @@ def _fwd_ffi(q, k, v, *, softmax_scale, diag_lo, diag_hi, segment_ids=None, soft
 _DQ_SEMAPHORE_ROWS = 32
 
 
+# Where a backward call's dq goes (csrc/include/jflash/params.h, DqMode): dq in
+# the input dtype; the float32 sum of dS K itself (dq = softmax_scale times it,
+# [..., heads, seq, head_dim]), with the call's delta; or that sum given and
+# added into, with the delta of the call that started it.
+DQ_WRITE, DQ_RETURN_ACCUM, DQ_ADD_TO_ACCUM = 0, 1, 2
+
+
 def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, on_cpu,
-             deterministic=False, segment_ids=None, softcap=None, tf32_passes=1):
+             deterministic=False, segment_ids=None, softcap=None, tf32_passes=1,
+             dq_mode=DQ_WRITE, dq_accum=None, delta=None, row_offset=0):
+    """(dq, dk, dv); with DQ_RETURN_ACCUM (dq_accum, dk, dv, delta); with
+    DQ_ADD_TO_ACCUM (dq_accum + this call's sum in rows [row_offset, row_offset
+    + seqlen_q) of each (batch, head), dk, dv), given the dq_accum and delta of
+    a DQ_RETURN_ACCUM call (over rows that include these)."""
     *lead, seqlen_q, num_heads, head_dim = q.shape
     f32 = jnp.float32
+    adds = dq_mode == DQ_ADD_TO_ACCUM
+    if adds != (dq_accum is not None and delta is not None) or (row_offset and not adds):
+        raise ValueError("dq_accum, delta and row_offset go with DQ_ADD_TO_ACCUM only")
+    if adds:
+        # Not read: delta replaces rowsum(dout * out) - dlse. Passing arrays the
+        # call has anyway spares XLA the slices of a ring's sub-calls.
+        out, dlse = dout, delta
     # The CUDA kernels accumulate dq in a float32 scratch; the CPU kernel keeps
-    # each dq tile in its task's memory, so on CPU the handler takes an empty one.
-    dq_accum_shape = (0,) if on_cpu else (*lead, num_heads, seqlen_q, head_dim)
+    # each dq tile in its task's memory, so on CPU the handler takes an empty one
+    # unless the caller takes the sum.
+    rows_shape = (*lead, num_heads, seqlen_q)
+    if adds:
+        dq_accum_shape = dq_accum.shape
+    elif on_cpu and dq_mode == DQ_WRITE:
+        dq_accum_shape = (0,)
+    else:
+        dq_accum_shape = (*rows_shape, head_dim)
     # Deterministic mode: counters that order the CUDA kernels' dq additions by
     # key block. Their presence is the switch; the CPU kernel is deterministic
     # by construction and takes an empty buffer.
@@ -122,22 +148,25 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
     num_heads_kv, seqlen_k = k.shape[-2], k.shape[-3]
     dkv_accum_shape = ((*lead, num_heads_kv, 2, seqlen_k, head_dim)
                        if num_heads != num_heads_kv and not on_cpu else (0,))
+    empty = jnp.zeros((0,), f32)
     call = jax.ffi.ffi_call(
         _ffi.BWD_TARGET,
         (
-            jax.ShapeDtypeStruct(q.shape, q.dtype),  # dq
+            jax.ShapeDtypeStruct(q.shape if dq_mode == DQ_WRITE else (0,), q.dtype),  # dq
             jax.ShapeDtypeStruct(k.shape, k.dtype),  # dk
             jax.ShapeDtypeStruct(v.shape, v.dtype),  # dv
             # Float32 scratch the kernels need; XLA allocates it, so the handlers
             # never call cudaMalloc and stay CUDA-graph safe.
             jax.ShapeDtypeStruct(dq_accum_shape, f32),  # dq_accum
-            jax.ShapeDtypeStruct((*lead, num_heads, seqlen_q), f32),  # delta
+            jax.ShapeDtypeStruct((0,) if adds else rows_shape, f32),  # delta
             jax.ShapeDtypeStruct(semaphore_shape, jnp.int32),  # dq_semaphore
             jax.ShapeDtypeStruct(dkv_accum_shape, f32),  # dkv_accum
         ),
         vmap_method="broadcast_all",
+        # The caller's accumulator is the dq_accum result: added into in place.
+        input_output_aliases={14: 3} if adds else None,
     )
-    dq, dk, dv, *_ = call(
+    dq, dk, dv, dq_accum_out, delta_out, *_ = call(
         q,
         k,
         v,
@@ -146,13 +175,70 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
         lse,
         dlse,
         *_segment_operands(segment_ids),
+        delta if adds else empty,  # delta_in
+        dq_accum if adds else empty,  # dq_accum_in
         softmax_scale=np.float32(softmax_scale),
         diag_lo=np.int64(diag_lo),
         diag_hi=np.int64(diag_hi),
         softcap=_softcap_attribute(softcap),
         tf32_passes=_tf32_passes_attribute(q.dtype, tf32_passes),
+        dq_mode=np.int64(dq_mode),
+        dq_accum_row_offset=np.int64(row_offset),
     )
-    return dq, dk, dv
+    if dq_mode == DQ_WRITE:
+        return dq, dk, dv
+    if dq_mode == DQ_RETURN_ACCUM:
+        return dq_accum_out, dk, dv, delta_out
+    return dq_accum_out, dk, dv
+
+
+def dq_from_accum(dq_accum, softmax_scale, dtype):
+    """dq [..., seq, heads, head_dim] in dtype from a float32 dq_accum [..., heads,
+    seq, head_dim], as the kernels convert their own."""
+    return (jnp.swapaxes(dq_accum, -2, -3) * np.float32(softmax_scale)).astype(dtype)
+
+
+class BwdBandCall:
+    """The backward kernel on any arrays, its band clamped to their lengths
+    (context_parallel.py's chunk pairs). call(q, k, v, out, dout, lse, dlse,
+    diag_lo, diag_hi, segment_ids=None) -> (dq, dk, dv). A ring's steps share
+    one float32 dq sum and one delta instead: start(q, k, v, out, dout, lse,
+    dlse, diag_lo, diag_hi) -> (dq_accum, dk, dv, delta) over all the rows,
+    add(dq_accum, row_offset, q, k, v, dout, lse, delta, diag_lo, diag_hi) ->
+    (dq_accum, dk, dv) for rows [row_offset, row_offset + q rows) of them, and
+    dq(dq_accum, dtype) at the end.
+
+    run(*operands, **kw) is the FFI call (_bwd_ffi without the static
+    arguments below); plain, if given, serves __call__ instead (the
+    partitioned call, where one is needed)."""
+
+    def __init__(self, softmax_scale, run, *, plain=None):
+        self.softmax_scale = softmax_scale
+        self._run = run
+        self._plain = plain
+
+    def __call__(self, q, k, v, out, dout, lse, dlse, diag_lo, diag_hi, segment_ids=None):
+        lo, hi = clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
+        if self._plain is not None:
+            return self._plain(q, k, v, out, dout, lse, dlse, lo, hi, segment_ids=segment_ids)
+        return self._run(q, k, v, out, dout, lse, dlse, diag_lo=lo, diag_hi=hi,
+                         segment_ids=segment_ids)
+
+    def start(self, q, k, v, out, dout, lse, dlse, diag_lo, diag_hi):
+        lo, hi = clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
+        return self._run(q, k, v, out, dout, lse, dlse, diag_lo=lo, diag_hi=hi,
+                         dq_mode=DQ_RETURN_ACCUM)
+
+    def add(self, dq_accum, row_offset, q, k, v, dout, lse, delta, diag_lo, diag_hi):
+        lo, hi = clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
+        # out and dlse are not read with the caller's delta: any arrays of their
+        # shapes do (_bwd_ffi).
+        return self._run(q, k, v, dout, dout, lse, delta, diag_lo=lo, diag_hi=hi,
+                         dq_mode=DQ_ADD_TO_ACCUM, dq_accum=dq_accum, delta=delta,
+                         row_offset=row_offset)
+
+    def dq(self, dq_accum, dtype):
+        return dq_from_accum(dq_accum, self.softmax_scale, dtype)
 
 
 def fwd_band_call(softmax_scale, softcap=None, tf32_passes=1):
@@ -170,19 +256,37 @@ def fwd_band_call(softmax_scale, softcap=None, tf32_passes=1):
 
 
 def bwd_band_call(softmax_scale, *, on_cpu, deterministic=False, softcap=None, tf32_passes=1):
-    """call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi, segment_ids=None) ->
-    (dq, dk, dv); on_cpu: the CPU branch of bwd (no dq scratch); deterministic: dq
-    bit-identical from run to run."""
+    """A BwdBandCall on one platform (on_cpu: the CPU branch of bwd, no dq
+    scratch); deterministic: dq bit-identical from run to run."""
+    return BwdBandCall(softmax_scale, functools.partial(
+        _bwd_ffi, softmax_scale=softmax_scale, on_cpu=on_cpu, deterministic=deterministic,
+        softcap=softcap, tf32_passes=tf32_passes,
+    ))
 
-    def call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi, segment_ids=None):
-        lo, hi = clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
-        return _bwd_ffi(
-            q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi,
-            on_cpu=on_cpu, deterministic=deterministic, segment_ids=segment_ids, softcap=softcap,
-            tf32_passes=tf32_passes,
-        )
 
-    return call
+def bwd_local_call(softmax_scale, *, plain=None, softcap=None, tf32_passes=1):
+    """A BwdBandCall for per-device code (inside shard_map) that picks the CPU
+    or the CUDA kernel when the program is lowered; plain serves its
+    (dq, dk, dv) calls."""
+
+    def run(*operands, dq_accum=None, delta=None, **kw):
+        given = () if dq_accum is None else (dq_accum, delta)
+
+        def on(cpu):
+            def branch(*arrays):
+                accum, delta = arrays[len(operands):] or (None, None)
+                return _bwd_ffi(*arrays[:len(operands)], softmax_scale=softmax_scale, on_cpu=cpu,
+                                softcap=softcap, tf32_passes=tf32_passes, dq_accum=accum,
+                                delta=delta, **kw)
+
+            return branch
+
+        arrays = (*operands, *given)
+        results = jax.lax.platform_dependent(*arrays, cpu=on(True), default=on(False))
+        # Inside shard_map: typed as varying where the operands are.
+        return sharding._restore_varying_axes(arrays, results)
+
+    return BwdBandCall(softmax_scale, run, plain=plain)
 
 
 def _segments(segment_ids):

@@ -27,14 +27,14 @@ def _fwd_call(softmax_scale, tf32_passes):
 
 
 def _bwd_call(softmax_scale, tf32_passes):
-    def call(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi):
-        lo, hi = masks.clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
+    def plain(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi, segment_ids=None):
+        del segment_ids  # ring_attention has none
         return kernel_calls.bwd(
-            q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=lo, diag_hi=hi,
-            tf32_passes=tf32_passes,
+            q, k, v, out, dout, lse, dlse, softmax_scale=softmax_scale, diag_lo=diag_lo,
+            diag_hi=diag_hi, tf32_passes=tf32_passes,
         )
 
-    return call
+    return kernel_calls.bwd_local_call(softmax_scale, plain=plain, tf32_passes=tf32_passes)
 
 
 # tf32: the kernels' tf32_passes (validation.tf32_passes), static like the plan.

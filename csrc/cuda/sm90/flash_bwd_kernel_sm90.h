@@ -59,7 +59,9 @@
 // writers wait and count, so that the consumers see no global-memory latency.
 //
 // Before the main kernel, delta = rowsum(dO * O) - dlse and dq_accum = 0
-// (flash_bwd_preprocess.h); after it, dq = softmax_scale * dq_accum.
+// (flash_bwd_preprocess.h); after it, dq = softmax_scale * dq_accum (or the
+// caller keeps dq_accum, or adds into its own with its own delta: params.h,
+// DqMode).
 //
 // Masking: the band decides which query blocks a key block visits (block
 // ranges of jflash/mask.h), and only tiles the band cuts, or the last key
@@ -233,12 +235,13 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& call_params, const LaunchCont
           params.k_head_stride, params.k_batch_stride, k_layout, k_tile),
       tma(SM90_TMA_LOAD{}, params.v, Traits::shape_k(params), params.v_row_stride,
           params.v_head_stride, params.v_batch_stride, k_layout, k_tile),
-      // dq_accum is [batch, heads, seqlen_q, head_dim], dense.
+      // dq_accum is [batch, heads, dq_accum_rows, head_dim], dense; the
+      // call's seqlen_q rows from its pointer on (params.h, DqMode).
       make_tma_atom(SM90_TMA_REDUCE_ADD{},
                     make_tensor(make_gmem_ptr(params.dq_accum), Traits::shape_q(params),
                                 make_stride(int64_t{params.head_dim}, _1{},
-                                            int64_t{params.seqlen_q} * params.head_dim,
-                                            int64_t{params.num_heads} * params.seqlen_q *
+                                            int64_t{params.dq_accum_rows} * params.head_dim,
+                                            int64_t{params.num_heads} * params.dq_accum_rows *
                                                 params.head_dim)),
                     take<0, 2>(typename Traits::SmemLayoutdQ{}),
                     Shape<Int<Traits::kDqRows>, Int<Traits::kDqCols>>{}),

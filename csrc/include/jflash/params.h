@@ -7,7 +7,8 @@
 //   q, out, dout, dq : [batch, seqlen_q, num_heads,    head_dim]
 //   k, v, dk, dv     : [batch, seqlen_k, num_heads_kv, head_dim]
 //   lse, dlse, delta : [batch, num_heads, seqlen_q]          (float32)
-//   dq_accum         : [batch, num_heads, seqlen_q, head_dim] (float32 scratch)
+//   dq_accum         : [batch, num_heads, seqlen_q, head_dim] (float32 scratch,
+//                      or the caller's: BwdParams::dq_mode)
 //   dq_semaphore     : [batch, num_heads, dq_semaphore_slots(seqlen_q)] (int32
 //                      scratch, deterministic mode only)
 //   dkv_accum        : [batch, num_heads_kv, 2, seqlen_k, head_dim] (float32
@@ -88,16 +89,21 @@ constexpr int64_t dq_semaphore_slots(int64_t seqlen_q) {
   return 2 * ((seqlen_q + kDqSemaphoreRows - 1) / kDqSemaphoreRows);
 }
 
+enum class DqMode : int { kWrite = 0, kReturnAccum = 1, kAddToAccum = 2 };
+
 struct BwdParams : FwdParams {
   const void* dout;
   const float* dlse;  // gradient flowing into lse (zeros when lse is unused)
   void* dq;
   void* dk;
   void* dv;
-  // float32 scratch of the CUDA kernels, [batch, num_heads, seqlen_q, head_dim];
-  // null on CPU, whose kernels do not use it.
+  // float32 dq without softmax_scale, [batch, num_heads, dq_accum_rows,
+  // head_dim]: the CUDA kernels' scratch in DqMode::kWrite (null on CPU,
+  // whose kernels then do not use it), the caller's otherwise.
   float* dq_accum;
-  float* delta;     // float32 scratch, rowsum(dout * out) - dlse, [batch, num_heads, seqlen_q]
+  // rowsum(dout * out) - dlse, [batch, num_heads, seqlen_q]: computed first
+  // (float32 scratch), or the caller's in DqMode::kAddToAccum.
+  float* delta;
   // Deterministic mode (non-null): one counter per (batch, head, query block,
   // dQ column slice) that orders the CUDA kernels' dQ additions by key block,
   // so that dq is bit-identical from run to run. Null: additions in any order
@@ -121,6 +127,20 @@ struct BwdParams : FwdParams {
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+
+  // Where dq goes (DqMode). kWrite: the CUDA kernels zero dq_accum, add dS K
+  // into it and write dq = softmax_scale * dq_accum in the input dtype.
+  // kReturnAccum: the same, but dq_accum (float32, without softmax_scale) is
+  // the caller's result and dq is not written. kAddToAccum: dq_accum is the
+  // caller's running sum, which the kernels add into, and delta is the
+  // caller's (no preprocess pass): the steps of a context-parallel ring share
+  // one accumulator and one delta instead of zeroing, converting and adding
+  // per step. The CPU kernels follow the same rules (on CPU dq_accum is used
+  // only by the last two modes). Last in the struct, so that no field moved.
+  DqMode dq_mode = DqMode::kWrite;
+  // Rows per (batch, head) of dq_accum: seqlen_q, or in kAddToAccum the
+  // caller's accumulator's (dq_accum then points at this call's first row).
+  int dq_accum_rows = 0;
 };
 
 // Length of dq_semaphore in deterministic mode (the handler checks it, the
