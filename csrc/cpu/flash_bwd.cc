@@ -304,14 +304,12 @@ JFLASH_INLINE void dq_block(const BwdParams& params, int64_t task) {
     return;
   }
   // The caller's float32 dq_accum, without softmax_scale (params.h, DqMode).
-  float* accum = params.dq_accum + ((batch * params.num_heads + head) * params.dq_accum_rows + q0) *
-                                       head_dim;
+  float* accum = params.dq_accum + batch * params.dq_accum_batch_stride +
+                 head * params.dq_accum_head_stride + q0 * params.dq_accum_row_stride;
   const bool add = params.dq_mode == DqMode::kAddToAccum;
   for (int i = 0; i < q_rows; ++i) {
-    for (int c = 0; c < head_dim; ++c) {
-      accum[int64_t{i} * head_dim + c] = (add ? accum[int64_t{i} * head_dim + c] : 0.0f) +
-                                         dq[i * d_pad + c];
-    }
+    float* row = accum + i * params.dq_accum_row_stride;
+    for (int c = 0; c < head_dim; ++c) row[c] = (add ? row[c] : 0.0f) + dq[i * d_pad + c];
   }
 }
 

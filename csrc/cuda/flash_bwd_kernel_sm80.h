@@ -327,8 +327,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     clear(acc_dq);
     gemm_ss<Traits::kTf32Passes>(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq, smem_tiled_copy_dS,
             smem_thr_copy_dS, smem_tiled_copy_Kt, smem_thr_copy_Kt);
-    float* dq_accum = params.dq_accum + (int64_t{batch} * params.num_heads + head) *
-                                            params.dq_accum_rows * kHeadDim;
+    float* dq_accum = params.dq_accum + batch * params.dq_accum_batch_stride +
+                      head * params.dq_accum_head_stride;
     // Deterministic mode: the earlier key blocks of this query block add first.
     if (steps.ordered()) {
       if (tidx == 0) {
@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int i = 0; i < size(acc_dq); i += 2) {
       const int row = row0 + get<0>(tdQcdQ(i));
       if (row < params.seqlen_q) {
-        float* dst = dq_accum + int64_t{row} * kHeadDim + get<1>(tdQcdQ(i));
+        float* dst = dq_accum + row * params.dq_accum_row_stride + get<1>(tdQcdQ(i));
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         atomicAdd(reinterpret_cast<float2*>(dst), make_float2(acc_dq(i), acc_dq(i + 1)));
 #else

@@ -123,7 +123,9 @@ __global__ void __launch_bounds__(kPrepThreads)
       if (r < tile.rows) {
         const int64_t index = tile.first_row + tile.row0 + r;
         if (sub == 0) params.delta[index] = dot - params.dlse[index];
-        float4* acc = reinterpret_cast<float4*>(params.dq_accum + index * params.head_dim);
+        float4* acc = reinterpret_cast<float4*>(
+            params.dq_accum + tile.batch * params.dq_accum_batch_stride +
+            tile.head * params.dq_accum_head_stride + (tile.row0 + r) * params.dq_accum_row_stride);
         for (int f = sub; f < zero_chunks; f += kThreadsPerRow) {
           acc[f] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
@@ -171,7 +173,9 @@ __global__ void __launch_bounds__(kPrepThreads)
         const int r = group + i * kRowGroups;
         acc[i] = r < tile.rows && f < quads
                      ? reinterpret_cast<const float4*>(
-                           params.dq_accum + (tile.first_row + tile.row0 + r) * params.head_dim)[f]
+                           params.dq_accum + tile.batch * params.dq_accum_batch_stride +
+                           tile.head * params.dq_accum_head_stride +
+                           (tile.row0 + r) * params.dq_accum_row_stride)[f]
                      : make_float4(0.f, 0.f, 0.f, 0.f);
       }
       CUTE_UNROLL

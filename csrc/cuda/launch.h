@@ -198,7 +198,7 @@ inline FwdParams fwd_params_chunk(const FwdParams& p, const GridChunk& c) {
 // tensor starts at the chunk's first (batch, kv head) or (batch, query head),
 // batch is the chunk's. num_heads, num_heads_kv and heads_per_kv stay the
 // call's: the kernel reads num_heads as the batch stride of lse, delta,
-// dq_accum and dq_semaphore, in heads (dq_accum's heads of dq_accum_rows rows).
+// dq_accum and dq_semaphore, in heads.
 inline BwdParams bwd_params_chunk(const BwdParams& p, const GridChunk& c) {
   BwdParams chunk = p;
   const int64_t b = c.batch0, kv = c.head0, h = int64_t{c.head0} * p.heads_per_kv;
@@ -214,7 +214,7 @@ inline BwdParams bwd_params_chunk(const BwdParams& p, const GridChunk& c) {
   chunk.lse = p.lse + row;
   chunk.dlse = p.dlse + row;
   chunk.delta = p.delta + row;
-  chunk.dq_accum = p.dq_accum + (b * p.num_heads + h) * p.dq_accum_rows * p.head_dim;
+  chunk.dq_accum = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride;
   if (p.dq_semaphore != nullptr) {
     chunk.dq_semaphore = p.dq_semaphore + (b * p.num_heads + h) * dq_semaphore_slots(p.seqlen_q);
   }

@@ -265,11 +265,12 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
       dk.element_count() != k.element_count() || dv.element_count() != v.element_count()) {
     return ffi::Error::InvalidArgument("jflash: gradient shapes must match q, k, v");
   }
-  // dq_accum: [batch, num_heads, accum_rows, head_dim] float32. The CUDA
-  // kernels' scratch (accum_rows = seqlen_q) with dq_mode 0, where a handler
-  // whose kernels do not use it (uses_dq_accum false: the CPU one) takes an
-  // empty buffer; the result with 1; with 2 the caller's accumulator (aliased
-  // to dq_accum_in), of which this call's rows start at dq_accum_row_offset.
+  // dq_accum, float32: the CUDA kernels' scratch [batch, num_heads, seqlen_q,
+  // head_dim] with dq_mode 0, where a handler whose kernels do not use it
+  // (uses_dq_accum false: the CPU one) takes an empty buffer; with 1 the
+  // result [batch, seqlen_q, num_heads, head_dim]; with 2 the caller's
+  // accumulator [batch, rows, num_heads, head_dim] (aliased to dq_accum_in),
+  // of which this call's rows start at dq_accum_row_offset.
   const bool accum_used = uses_dq_accum || mode != DqMode::kWrite;
   const int64_t row_elems = int64_t{p->batch} * p->num_heads * p->head_dim;
   int64_t accum_rows = p->seqlen_q;
@@ -279,8 +280,7 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
     }
     accum_rows = dq_accum.element_count() / row_elems;
   }
-  if (accum_rows > INT32_MAX || dq_accum_row_offset < 0 ||
-      (!adds && dq_accum_row_offset != 0) ||
+  if (dq_accum_row_offset < 0 || (!adds && dq_accum_row_offset != 0) ||
       dq_accum_row_offset > accum_rows - p->seqlen_q) {
     return ffi::Error::InvalidArgument(
         "jflash: dq_accum_row_offset must leave seqlen_q rows of dq_accum (0 unless dq_mode 2)");
@@ -323,9 +323,18 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   p->dk = dk.untyped_data();
   p->dv = dv.untyped_data();
   p->dq_mode = mode;
-  p->dq_accum_rows = static_cast<int>(accum_rows);
+  const int64_t d = p->head_dim;
+  if (mode == DqMode::kWrite) {
+    p->dq_accum_row_stride = d;
+    p->dq_accum_head_stride = p->seqlen_q * d;
+    p->dq_accum_batch_stride = p->num_heads * p->seqlen_q * d;
+  } else {
+    p->dq_accum_row_stride = p->num_heads * d;
+    p->dq_accum_head_stride = d;
+    p->dq_accum_batch_stride = accum_rows * p->num_heads * d;
+  }
   p->dq_accum = accum_used ? static_cast<float*>(dq_accum.untyped_data()) +
-                                 dq_accum_row_offset * p->head_dim
+                                 dq_accum_row_offset * p->dq_accum_row_stride
                            : nullptr;
   p->delta = static_cast<float*>(adds ? delta_in.untyped_data() : delta.untyped_data());
   p->dq_semaphore = uses_dq_accum && dq_semaphore.element_count() > 0

@@ -455,10 +455,10 @@ def sharded_bwd(q, k, v, out, dout, lse, dlse, *, plan, call):
 
 
 def _ring_bwd(q, k, v, out, dout, lse, dlse, *, plan, call):
-    """The ring's steps add into one float32 dq sum (kernel layout, [..., heads,
-    seq, head_dim]) with the delta of the first step's call, which covers all
-    the device's rows: no zeroing, conversion or delta per step, and dq is
-    rounded once. dK and dV (float32) travel with their K/V block."""
+    """The ring's steps add into one float32 dq sum with the delta of the first
+    step's call, which covers all the device's rows: no zeroing, conversion or
+    delta per step, and dq is rounded once. dK and dV (float32) travel with
+    their K/V block."""
     lq, lk = q.shape[-3], k.shape[-3]
     n = plan.axis_size
     idx = _axis_index(plan)

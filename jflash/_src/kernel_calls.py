@@ -105,9 +105,9 @@ _DQ_SEMAPHORE_ROWS = 32
 
 
 # Where a backward call's dq goes (csrc/include/jflash/params.h, DqMode): dq in
-# the input dtype; the float32 sum of dS K itself (dq = softmax_scale times it,
-# [..., heads, seq, head_dim]), with the call's delta; or that sum given and
-# added into, with the delta of the call that started it.
+# the input dtype; the float32 sum of dS K itself (dq = softmax_scale times it;
+# q's layout), with the call's delta; or that sum given and added into, with
+# the delta of the call that started it.
 DQ_WRITE, DQ_RETURN_ACCUM, DQ_ADD_TO_ACCUM = 0, 1, 2
 
 
@@ -115,9 +115,9 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
              deterministic=False, segment_ids=None, softcap=None, tf32_passes=1,
              dq_mode=DQ_WRITE, dq_accum=None, delta=None, row_offset=0):
     """(dq, dk, dv); with DQ_RETURN_ACCUM (dq_accum, dk, dv, delta); with
-    DQ_ADD_TO_ACCUM (dq_accum + this call's sum in rows [row_offset, row_offset
-    + seqlen_q) of each (batch, head), dk, dv), given the dq_accum and delta of
-    a DQ_RETURN_ACCUM call (over rows that include these)."""
+    DQ_ADD_TO_ACCUM (dq_accum + this call's sum in its rows [row_offset,
+    row_offset + seqlen_q), dk, dv), given the dq_accum and delta of a
+    DQ_RETURN_ACCUM call over rows that include these."""
     *lead, seqlen_q, num_heads, head_dim = q.shape
     f32 = jnp.float32
     adds = dq_mode == DQ_ADD_TO_ACCUM
@@ -133,10 +133,12 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
     rows_shape = (*lead, num_heads, seqlen_q)
     if adds:
         dq_accum_shape = dq_accum.shape
-    elif on_cpu and dq_mode == DQ_WRITE:
+    elif dq_mode == DQ_RETURN_ACCUM:
+        dq_accum_shape = q.shape
+    elif on_cpu:
         dq_accum_shape = (0,)
     else:
-        dq_accum_shape = (*rows_shape, head_dim)
+        dq_accum_shape = (*rows_shape, head_dim)  # the kernels' own layout
     # Deterministic mode: counters that order the CUDA kernels' dq additions by
     # key block. Their presence is the switch; the CPU kernel is deterministic
     # by construction and takes an empty buffer.
@@ -193,9 +195,8 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
 
 
 def dq_from_accum(dq_accum, softmax_scale, dtype):
-    """dq [..., seq, heads, head_dim] in dtype from a float32 dq_accum [..., heads,
-    seq, head_dim], as the kernels convert their own."""
-    return (jnp.swapaxes(dq_accum, -2, -3) * np.float32(softmax_scale)).astype(dtype)
+    """dq in dtype from a float32 dq_accum, as the kernels convert their own."""
+    return (dq_accum * np.float32(softmax_scale)).astype(dtype)
 
 
 class BwdBandCall:

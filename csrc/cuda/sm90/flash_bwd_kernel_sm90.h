@@ -235,14 +235,12 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& call_params, const LaunchCont
           params.k_head_stride, params.k_batch_stride, k_layout, k_tile),
       tma(SM90_TMA_LOAD{}, params.v, Traits::shape_k(params), params.v_row_stride,
           params.v_head_stride, params.v_batch_stride, k_layout, k_tile),
-      // dq_accum is [batch, heads, dq_accum_rows, head_dim], dense; the
-      // call's seqlen_q rows from its pointer on (params.h, DqMode).
+      // dq_accum at its strides (params.h, DqMode).
       make_tma_atom(SM90_TMA_REDUCE_ADD{},
                     make_tensor(make_gmem_ptr(params.dq_accum), Traits::shape_q(params),
-                                make_stride(int64_t{params.head_dim}, _1{},
-                                            int64_t{params.dq_accum_rows} * params.head_dim,
-                                            int64_t{params.num_heads} * params.dq_accum_rows *
-                                                params.head_dim)),
+                                make_stride(params.dq_accum_row_stride, _1{},
+                                            params.dq_accum_head_stride,
+                                            params.dq_accum_batch_stride)),
                     take<0, 2>(typename Traits::SmemLayoutdQ{}),
                     Shape<Int<Traits::kDqRows>, Int<Traits::kDqCols>>{}),
       tma(SM90_TMA_STORE{}, params.dk, Traits::shape_k(params), params.dk_row_stride,

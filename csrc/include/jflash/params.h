@@ -7,8 +7,9 @@
 //   q, out, dout, dq : [batch, seqlen_q, num_heads,    head_dim]
 //   k, v, dk, dv     : [batch, seqlen_k, num_heads_kv, head_dim]
 //   lse, dlse, delta : [batch, num_heads, seqlen_q]          (float32)
-//   dq_accum         : [batch, num_heads, seqlen_q, head_dim] (float32 scratch,
-//                      or the caller's: BwdParams::dq_mode)
+//   dq_accum         : [batch, num_heads, seqlen_q, head_dim] (float32 scratch),
+//                      or the caller's [batch, rows, num_heads, head_dim]
+//                      (BwdParams::dq_mode)
 //   dq_semaphore     : [batch, num_heads, dq_semaphore_slots(seqlen_q)] (int32
 //                      scratch, deterministic mode only)
 //   dkv_accum        : [batch, num_heads_kv, 2, seqlen_k, head_dim] (float32
@@ -97,9 +98,9 @@ struct BwdParams : FwdParams {
   void* dq;
   void* dk;
   void* dv;
-  // float32 dq without softmax_scale, [batch, num_heads, dq_accum_rows,
-  // head_dim]: the CUDA kernels' scratch in DqMode::kWrite (null on CPU,
-  // whose kernels then do not use it), the caller's otherwise.
+  // float32 dq without softmax_scale, at the dq_accum_* strides below: the
+  // CUDA kernels' scratch in DqMode::kWrite (null on CPU, whose kernels then
+  // do not use it), the caller's otherwise.
   float* dq_accum;
   // rowsum(dout * out) - dlse, [batch, num_heads, seqlen_q]: computed first
   // (float32 scratch), or the caller's in DqMode::kAddToAccum.
@@ -138,9 +139,12 @@ struct BwdParams : FwdParams {
   // per step. The CPU kernels follow the same rules (on CPU dq_accum is used
   // only by the last two modes). Last in the struct, so that no field moved.
   DqMode dq_mode = DqMode::kWrite;
-  // Rows per (batch, head) of dq_accum: seqlen_q, or in kAddToAccum the
-  // caller's accumulator's (dq_accum then points at this call's first row).
-  int dq_accum_rows = 0;
+  // dq_accum's strides in elements (its head_dim stride is 1): dense [batch,
+  // num_heads, seqlen_q, head_dim] with kWrite; the caller's [batch, rows,
+  // num_heads, head_dim] otherwise, q's layout, so that its dq is the sum
+  // scaled and rounded, not transposed too (with kAddToAccum, rows may exceed
+  // seqlen_q and dq_accum points at this call's first row).
+  int64_t dq_accum_batch_stride = 0, dq_accum_row_stride = 0, dq_accum_head_stride = 0;
 };
 
 // Length of dq_semaphore in deterministic mode (the handler checks it, the
