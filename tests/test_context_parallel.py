@@ -68,6 +68,15 @@ def _layout(layout, n):
     return jflash.sequence_layout("contiguous")
 
 
+def _unshard(results, n, axes):
+    """Results of a sharded call in token order, reordered on the host: reordering
+    a sharded array runs programs with collectives, and several of those in
+    flight at once can deadlock XLA:CPU's in-process collectives on a machine
+    of few cores (seen on 2: one device never reached a collective-permute
+    while the host threads waited in other programs)."""
+    return [unshard_sequence(np.asarray(x), n, a) for x, a in zip(results, axes)]
+
+
 def _sharded(fn, args, specs, mesh, strategy, layout):
     """Compiled fn on args put in layout and sharded by specs; results back in
     token order."""
@@ -80,7 +89,7 @@ def _sharded(fn, args, specs, mesh, strategy, layout):
         compiled = jax.jit(fn).lower(*args).compile()
     results = compiled(*args)
     if layout == "zigzag":  # out, lse, dq, dk, dv
-        results = [unshard_sequence(x, n, a) for x, a in zip(results, (1, 2, 1, 1, 1))]
+        results = _unshard(results, n, (1, 2, 1, 1, 1))
     return results, compiled
 
 
@@ -220,7 +229,7 @@ def test_zigzag_layout_without_matching_sharding(rng):
     zig = [shard_sequence(x, SEQ_DEVICES, a) for x, a in zip((q, k, v, dout, dlse), (1, 1, 1, 1, 2))]
     with jflash.sequence_layout("zigzag", SEQ_DEVICES):
         got = jax.jit(run)(*zig)
-    got = [unshard_sequence(x, SEQ_DEVICES, a) for x, a in zip(got, (1, 2, 1, 1, 1))]
+    got = _unshard(got, SEQ_DEVICES, (1, 2, 1, 1, 1))
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
 
@@ -244,9 +253,8 @@ def test_zigzag_layout_with_segment_ids(rng):
     zig = [shard_sequence(x, SEQ_DEVICES, 1) for x in (q, k, v, ids, dout)]
     with jflash.sequence_layout("zigzag", SEQ_DEVICES):
         got = jax.jit(run)(*zig)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(np.asarray(unshard_sequence(g, SEQ_DEVICES, 1)), np.asarray(w),
-                                   rtol=1e-6, atol=1e-6)
+    for g, w in zip(_unshard(got, SEQ_DEVICES, (1,) * len(got)), want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
@@ -271,7 +279,7 @@ def test_ring_attention_in_shard_map(rng, layout):
         args = [shard_sequence(x, 8, a) for x, a in zip(args, (1, 1, 1, 1, 2))]
     results = run(*args)
     if layout == "zigzag":
-        results = [unshard_sequence(x, 8, a) for x, a in zip(results, (1, 2, 1, 1, 1))]
+        results = _unshard(results, 8, (1, 2, 1, 1, 1))
     _check_against_truth(results, q, k, v, dout, dlse, True, jnp.float32)
 
 
