@@ -29,7 +29,7 @@ void dense(int seq, int heads, int head_dim, int64_t& batch_stride, int64_t& row
 }
 
 BwdParams make_params(int batch, int heads, int heads_kv, int seq_q, int seq_k, int head_dim,
-                      bool deterministic) {
+                      bool deterministic, bool caller_accum) {
   BwdParams p{};
   p.dtype = DType::kBFloat16;
   // Distinct fake base addresses, never dereferenced.
@@ -57,6 +57,19 @@ BwdParams make_params(int batch, int heads, int heads_kv, int seq_q, int seq_k, 
   p.batch = batch, p.seqlen_q = seq_q, p.seqlen_k = seq_k;
   p.num_heads = heads, p.num_heads_kv = heads_kv, p.head_dim = head_dim;
   p.heads_per_kv = heads / heads_kv;
+  // dq_accum as params_from_ffi.h lays it out: the kernels' dense [batch,
+  // heads, seq_q, head_dim], or a caller's [batch, rows, heads, head_dim] with
+  // more rows than this call's (jflash/params.h, DqMode).
+  if (caller_accum) {
+    p.dq_mode = DqMode::kAddToAccum;
+    p.dq_accum_row_stride = int64_t{heads} * head_dim;
+    p.dq_accum_head_stride = head_dim;
+    p.dq_accum_batch_stride = int64_t{seq_q + 5} * heads * head_dim;
+  } else {
+    p.dq_accum_row_stride = head_dim;
+    p.dq_accum_head_stride = int64_t{seq_q} * head_dim;
+    p.dq_accum_batch_stride = int64_t{heads} * seq_q * head_dim;
+  }
   return p;
 }
 
@@ -76,8 +89,9 @@ void check_segments(const SegmentParams& chunk, const SegmentParams& call, int64
 // Every (batch, head) of the forward and every (batch, kv head) of the
 // backward, with the addresses each kernel computes.
 void check_call(int batch, int heads, int heads_kv, int seq_q, int seq_k, int head_dim,
-                bool deterministic) {
-  const BwdParams p = make_params(batch, heads, heads_kv, seq_q, seq_k, head_dim, deterministic);
+                bool deterministic, bool caller_accum = false) {
+  const BwdParams p =
+      make_params(batch, heads, heads_kv, seq_q, seq_k, head_dim, deterministic, caller_accum);
   const int group = p.heads_per_kv;
 
   // Forward: chunks of query heads; kv head = head / heads_per_kv.
@@ -147,7 +161,8 @@ void check_call(int batch, int heads, int heads_kv, int seq_q, int seq_k, int he
           CHECK(q.lse + local == p.lse + global);
           CHECK(q.dlse + local == p.dlse + global);
           CHECK(q.delta + local == p.delta + global);
-          CHECK(q.dq_accum + local * head_dim == p.dq_accum + global * head_dim);
+          CHECK(q.dq_accum + bl * q.dq_accum_batch_stride + hl * q.dq_accum_head_stride ==
+                p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride);
           if (deterministic) {
             CHECK(q.dq_semaphore + (bl * q.num_heads + hl) * dq_semaphore_slots(q.seqlen_q) ==
                   p.dq_semaphore + (b * p.num_heads + h) * dq_semaphore_slots(p.seqlen_q));
@@ -193,9 +208,11 @@ int main() {
   check_call(3, 8, 2, 100, 70, 128, true);  // one chunk: the params unchanged
   check_call(70000, 1, 1, 4, 4, 32, false);
   check_call(70000, 2, 1, 4, 4, 32, true);
+  check_call(70000, 2, 1, 4, 4, 32, false, /*caller_accum=*/true);
   check_call(131071, 3, 3, 4, 4, 64, false);
   check_call(1, 66000, 1, 129, 5, 32, false);    // MQA: a group of 66000 in two parts
   check_call(2, 66000, 33000, 3, 5, 32, true);   // groups of 2: chunks of 65534 and 466
+  check_call(2, 66000, 33000, 3, 5, 32, false, /*caller_accum=*/true);
   check_call(1, 70000, 70000, 4, 4, 32, true);   // kv head chunks
   check_call(3, 70000, 7, 4, 4, 32, false);      // groups of 10000
   check_call(2, 200000, 2, 4, 4, 32, false);     // groups of 100000
