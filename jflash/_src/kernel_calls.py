@@ -117,16 +117,13 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
     """(dq, dk, dv); with DQ_RETURN_ACCUM (dq_accum, dk, dv, delta); with
     DQ_ADD_TO_ACCUM (dq_accum + this call's sum in its rows [row_offset,
     row_offset + seqlen_q), dk, dv), given the dq_accum and delta of a
-    DQ_RETURN_ACCUM call over rows that include these."""
+    DQ_RETURN_ACCUM call over rows that include these; out and dlse are then
+    not read (delta replaces rowsum(dout * out) - dlse)."""
     *lead, seqlen_q, num_heads, head_dim = q.shape
     f32 = jnp.float32
     adds = dq_mode == DQ_ADD_TO_ACCUM
     if adds != (dq_accum is not None and delta is not None) or (row_offset and not adds):
         raise ValueError("dq_accum, delta and row_offset go with DQ_ADD_TO_ACCUM only")
-    if adds:
-        # Not read: delta replaces rowsum(dout * out) - dlse. Passing arrays the
-        # call has anyway spares XLA the slices of a ring's sub-calls.
-        out, dlse = dout, delta
     # The CUDA kernels accumulate dq in a float32 scratch; the CPU kernel keeps
     # each dq tile in its task's memory, so on CPU the handler takes an empty one
     # unless the caller takes the sum.
@@ -232,8 +229,8 @@ class BwdBandCall:
 
     def add(self, dq_accum, row_offset, q, k, v, dout, lse, delta, diag_lo, diag_hi):
         lo, hi = clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
-        # out and dlse are not read with the caller's delta: any arrays of their
-        # shapes do (_bwd_ffi).
+        # out and dlse are not read with the caller's delta (_bwd_ffi): dout and
+        # delta stand in, so that a ring's sub-calls need no slices of them.
         return self._run(q, k, v, dout, dout, lse, delta, diag_lo=lo, diag_hi=hi,
                          dq_mode=DQ_ADD_TO_ACCUM, dq_accum=dq_accum, delta=delta,
                          row_offset=row_offset)
