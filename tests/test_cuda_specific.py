@@ -459,6 +459,39 @@ def test_rising_scores_against_reference(rng, case):
     assert lse_err <= 1e-5, lse_err
 
 
+# A row's max that rises by 126 to 128 in log2 units (87.3 to 88.7 in natural
+# units) from one key tile to a later one: the Hopper forward's terms against
+# the stale max are still finite there, but the factor that takes them to the
+# new max, 2^-126 or less, is no normal float. One key of the third key tile
+# carries the jump (two such terms in a thread's sum would overflow it, which
+# took the other path), the others score 0; rows with q = -1 in the first
+# coordinate see a fall instead. Scores are exact in bfloat16 (no noise).
+@pytest.mark.parametrize("rise", [87.5, 88.0, 88.5])
+@pytest.mark.parametrize("case", [
+    (1, 128, 512, 2, 1, 64, None, None),
+    (1, 128, 512, 2, 1, 128, None, None),
+    (1, 128, 512, 2, 2, 128, -128, 512 - 128),  # bottom-right causal
+], ids=_case_id)
+def test_max_jump_to_float32_range_against_reference(rng, case, rise):
+    b, sq, sk, h, hkv, d, lo, hi = case
+    if lo is None:
+        lo, hi = -sq, sk
+    dtype = jnp.bfloat16
+    q = np.zeros((b, sq, h, d))
+    k = np.zeros((b, sk, hkv, d))
+    q[..., 0] = np.where(np.arange(sq) % 2 == 0, 1.0, -1.0)[None, :, None]
+    k[:, 300, :, 0] = rise
+    q, k = jnp.asarray(q, dtype), jnp.asarray(k, dtype)
+    v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
+    kw = dict(softmax_scale=1.0, diag_lo=lo, diag_hi=hi)
+    out, lse = _kernel_call(lambda: jax.jit(lambda q, k, v: attention_band(q, k, v, **kw))(q, k, v))
+    truth = [np.asarray(t, np.float64) for t in reference_band(q, k, v, **kw)]
+    plain = reference_band(q, k, v, dtype=dtype, **kw)
+    assert np.all(np.isfinite(np.asarray(out, np.float32))) and np.all(np.isfinite(np.asarray(lse)))
+    for name, x, p, t in zip(("out", "lse"), (out, lse), plain, truth):
+        assert_within_rule(name, x, p, t, dtype)
+
+
 # Sharply peaked scores (queries times 8: scores of standard deviation 8 in
 # natural units, about 11.5 in log2) and keys whose norms rise along the
 # sequence: a row's max keeps rising past the Hopper forward's slack on many

@@ -269,7 +269,7 @@ struct FwdMainloopSm90 {
   const bool warp_leader;
   ScoreMask mask;
   // kStaleMax with ping-pong: each warp's verdict on its softmax of a key tile
-  // (redo: a term overflowed, S must be computed again), published in shared
+  // (redo: a term past raise_max's range, S must be computed again), published in shared
   // memory and read by the whole warpgroup after the next turn's barrier. The
   // accesses are asm volatile so that the compiler keeps them on their side
   // of that barrier (also asm volatile, without a memory clobber).
@@ -376,9 +376,9 @@ struct FwdMainloopSm90 {
     return verdicts != 0;
   }
   // Settles key tile j (>= 1) of the current unit right after this
-  // consumer's next turn began: where some warp's terms overflowed, the
-  // warpgroup computes S_j again and those warps fold it with fresh maxima,
-  // rescale O (which holds the products up to P_{j-1} V_{j-1}) and convert
+  // consumer's next turn began: where some warp's terms were past
+  // raise_max's range (Softmax::raisable), the warpgroup computes S_j again
+  // and those warps fold it with fresh maxima, rescale O (which holds the products up to P_{j-1} V_{j-1}) and convert
   // P_j again. Then K_j (and after the unit's last Q K^T, Q) leaves shared
   // memory.
   template <typename OutRowCol>
@@ -464,9 +464,9 @@ struct FwdMainloopSm90 {
         // The softmax first exponentiates S_i against the running max
         // (exp_stale), where every row of the warp has one. Where a row's
         // max rose too far, the warp raises it from those exponentials
-        // (raise_max). Only where a term overflowed (a max that rose past
-        // float32's exponent range, or NaN) is S_i computed again (exp_stale
-        // overwrote it) and folded with fresh maxima; as wgmma is
+        // (raise_max). Only where the terms are past its range (a max that
+        // rose by more than 64 in log2 units, or a NaN) is S_i computed
+        // again (exp_stale overwrote it) and folded with fresh maxima; as wgmma is
         // warpgroup-wide, so is that product, and K_i (and Q) stay in shared
         // memory until the tile is settled.
         const bool needs_mask = mask_scores(n_block);
@@ -474,15 +474,15 @@ struct FwdMainloopSm90 {
         float tile_sum[kRows];
         auto s = s_rc();
         const bool over = stale && !softmax.exp_stale(s, needs_mask, tile_sum);
-        // Warp-uniform: some row's bound failed; and some term overflowed.
+        // Warp-uniform: some row's bound failed; and some row is past raise_max's range.
         const bool raise = __any_sync(0xffffffff, over);
-        const bool overflow = __any_sync(0xffffffff, over && !Softmax::sums_finite(tile_sum));
+        const bool past_range = __any_sync(0xffffffff, over && !Softmax::raisable(tile_sum));
         if constexpr (kSettleAtTurn) {
-          // An overflow is settled at the next turn (settle): the warps
+          // A tile past the range is settled at the next turn (settle): the warps
           // publish their verdict through shared memory, and the turn's
           // barrier, which they pass anyway, makes it visible to all. A
           // raise is the warp's own, after the wait (outside the turn).
-          redo = overflow;
+          redo = past_range;
           if (stale) {
             softmax.keep_max(tile_sum, /*add=*/!raise, correction);
           } else {
@@ -494,7 +494,7 @@ struct FwdMainloopSm90 {
           if (raise && !redo) softmax.raise_max(s, correction);
         } else {
           // No turns to piggyback on: a vote of the warpgroup's threads.
-          const bool recompute = Barriers::vote_any(overflow, consumer);
+          const bool recompute = Barriers::vote_any(past_range, consumer);
           // Both paths leave no product in flight (C7515, docs/cuda_kernels.md, Compiler pitfalls).
           warpgroup_wait<0>();
           if (recompute) {

@@ -119,8 +119,8 @@ struct SoftmaxSm90 {
   // each row in tile_sum, and returns whether all of them are at most
   // kRescaleBound (false for NaN), which implies that bound for every term;
   // where that fails, the caller raises the maxima from these terms
-  // (raise_max), or where a term overflowed, computes the tile again with
-  // fold_max. Needs a finite running max in every row (has_finite_max).
+  // (raise_max), or where they are past raisable's bound, computes the tile
+  // again with fold_max. Needs a finite running max in every row (has_finite_max).
   template <typename ScoresRowCol>
   __device__ __forceinline__ bool exp_stale(ScoresRowCol& s_rc, bool needs_mask,
                                             float (&tile_sum)[kRows]) const {
@@ -161,17 +161,23 @@ struct SoftmaxSm90 {
     }
   }
 
-  // Whether this thread's tile sums are finite: no term of exp_stale's tile
-  // overflowed and none is NaN (false for inf and NaN), as raise_max needs.
-  __device__ __forceinline__ static bool sums_finite(const float (&tile_sum)[kRows]) {
-    bool finite = true;
+  // Whether raise_max may take exp_stale's tile: every one of this thread's
+  // tile sums is at most kRaiseBound (false for inf and NaN). raise_max scales
+  // the terms by 1 / (largest term), which must stay a normal float: ex2.approx
+  // and the multiplies flush subnormals to zero, so a max that rose by 126 to
+  // 128 (log2 units; a term still finite) would zero the tile's terms, and the
+  // row's sum and O with them (a row whose later tiles add nothing then gave
+  // 0 / 0). A tile past the bound is computed again with fresh maxima.
+  static constexpr float kRaiseBound = 0x1p64f;
+  __device__ __forceinline__ static bool raisable(const float (&tile_sum)[kRows]) {
+    bool ok = true;
     CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) finite &= tile_sum[r] <= 3.402823466e38f;
-    return finite;
+    for (int r = 0; r < kRows; ++r) ok &= tile_sum[r] <= kRaiseBound;
+    return ok;
   }
 
-  // Where exp_stale's bound failed in some row of the warp and every term is
-  // finite (sums_finite in all of the warp's threads): folds the tile with
+  // Where exp_stale's bound failed in some row of the warp and the terms are
+  // in raise_max's range (raisable in all of the warp's threads): folds the tile with
   // raised maxima from the exponentials themselves, without S. A finite term
   // exp2(x - m) gives the tile's max as m + log2(largest term), and the tile
   // against a new max m' is each term times exp2(m - m'): what fold_max
