@@ -458,7 +458,7 @@ def _ring_bwd(q, k, v, out, dout, lse, dlse, *, plan, call):
     """The ring's steps add into one float32 dq sum with the delta of the first
     step's call, which covers all the device's rows: no zeroing, conversion or
     delta per step, and dq is rounded once. dK and dV (float32) travel with
-    their K/V block."""
+    their K/V block, and home in the input dtype."""
     lq, lk = q.shape[-3], k.shape[-3]
     n = plan.axis_size
     idx = _axis_index(plan)
@@ -479,10 +479,13 @@ def _ring_bwd(q, k, v, out, dout, lse, dlse, *, plan, call):
 
     def last(acc):
         dq, dk, dv, _ = acc
-        return (dq, *send((dk, dv))) if n > 1 else (dq, dk, dv)  # home to the block's device
+        # The sums are complete: rounded before the hop home, which then moves
+        # half the bytes and gives the same values.
+        dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
+        return (dq, *send((dk, dv))) if n > 1 else (dq, dk, dv)
 
     dq, dk, dv = _ring_loop(first, step, last, n, None, (k, v), plan)
-    return call.dq(dq, q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return call.dq(dq, q.dtype), dk, dv
 
 
 def _ring_bwd_step(rows, delta, kv, acc, step, idx, plan, call):
