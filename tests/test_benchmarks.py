@@ -363,6 +363,15 @@ def test_context_parallel_chunks(tmp_path):
     assert all(r["tflops"] > 0 and "error" not in r for r in timed), records
 
 
+def test_context_parallel_fit(tmp_path):
+    """Both programs' static buffer sizes, and the ring's step on 2 CPU devices."""
+    out = tmp_path / "fit.json"
+    _run("context_parallel_fit.py", "--smoke", "--out", out)
+    payload = json.loads(out.read_text())
+    assert payload["one_device_bytes"]["total"] > 0 and payload["ring_bytes_per_device"]["total"] > 0
+    assert payload["ring_s"] > 0 and payload["final_q_rms"] > 0
+
+
 def test_decode_benchmark(tmp_path):
     out = tmp_path / "decode.json"
     _run("decode_benchmark.py", "--smoke", "--allow-cpu", "--batches", 1, "--caches", 256,
