@@ -292,8 +292,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         k_src = static_cast<const Element*>(params.k_new) + offset;
         v_src = static_cast<const Element*>(params.v_new) + offset;
       }
-      Element* dst = k_stage + (r / kWarpKeys) * Traits::kSliceElements +
-                     typename Traits::SmemLayoutKV{}(r % kWarpKeys, chunk * 8);
+      Element* dst = k_stage + decode_kv_offset<Traits>(r, chunk * 8);
       cp_async_16(dst, k_src, key < lens.total);
       cp_async_16(dst + Traits::kTileElements, v_src, key < lens.total);
     }
