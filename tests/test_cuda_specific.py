@@ -463,9 +463,10 @@ def test_rising_scores_against_reference(rng, case):
 # units) from one key tile to a later one: the Hopper forward's terms against
 # the stale max are still finite there, but the factor that takes them to the
 # new max, 2^-126 or less, is no normal float. One key of the third key tile
-# carries the jump (two such terms in a thread's sum would overflow it, which
-# took the other path), the others score 0; rows with q = -1 in the first
-# coordinate see a fall instead. Scores are exact in bfloat16 (no noise).
+# carries the jump (a few such terms in a thread's sum overflow it, which
+# always took the path that computes S again), the others score 0; rows with
+# q = -1 in the first coordinate see a fall instead. Scores are exact in
+# bfloat16 (no noise).
 @pytest.mark.parametrize("rise", [87.5, 88.0, 88.5])
 @pytest.mark.parametrize("case", [
     (1, 128, 512, 2, 1, 64, None, None),

@@ -268,9 +268,10 @@ struct FwdMainloopSm90 {
       make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}))) cS;
   const bool warp_leader;
   ScoreMask mask;
-  // kStaleMax with ping-pong: each warp's verdict on its softmax of a key tile
-  // (redo: a term past raise_max's range, S must be computed again), published in shared
-  // memory and read by the whole warpgroup after the next turn's barrier. The
+  // kStaleMax with ping-pong: each warp's verdict on its softmax of a key
+  // tile (redo: terms past raise_max's range, S must be computed again),
+  // published in shared memory and read by the whole warpgroup after the
+  // next turn's barrier. The
   // accesses are asm volatile so that the compiler keeps them on their side
   // of that barrier (also asm volatile, without a memory clobber).
   const int lane;
@@ -378,9 +379,9 @@ struct FwdMainloopSm90 {
   // Settles key tile j (>= 1) of the current unit right after this
   // consumer's next turn began: where some warp's terms were past
   // raise_max's range (Softmax::raisable), the warpgroup computes S_j again
-  // and those warps fold it with fresh maxima, rescale O (which holds the products up to P_{j-1} V_{j-1}) and convert
-  // P_j again. Then K_j (and after the unit's last Q K^T, Q) leaves shared
-  // memory.
+  // and those warps fold it with fresh maxima, rescale O (which holds the
+  // products up to P_{j-1} V_{j-1}) and convert P_j again. Then K_j (and
+  // after the unit's last Q K^T, Q) leaves shared memory.
   template <typename OutRowCol>
   __device__ __forceinline__ void settle(Softmax& softmax, OutRowCol& o_rc, int j, int n_block,
                                          int k_stage, bool last_q_k) {
@@ -466,22 +467,22 @@ struct FwdMainloopSm90 {
         // max rose too far, the warp raises it from those exponentials
         // (raise_max). Only where the terms are past its range (a max that
         // rose by more than 64 in log2 units, or a NaN) is S_i computed
-        // again (exp_stale overwrote it) and folded with fresh maxima; as wgmma is
-        // warpgroup-wide, so is that product, and K_i (and Q) stay in shared
-        // memory until the tile is settled.
+        // again (exp_stale overwrote it) and folded with fresh maxima; as
+        // wgmma is warpgroup-wide, so is that product, and K_i (and Q) stay
+        // in shared memory until the tile is settled.
         const bool needs_mask = mask_scores(n_block);
         const bool stale = softmax.has_finite_max();
         float tile_sum[kRows];
         auto s = s_rc();
         const bool over = stale && !softmax.exp_stale(s, needs_mask, tile_sum);
-        // Warp-uniform: some row's bound failed; and some row is past raise_max's range.
+        // Warp-uniform: some row's bound failed; some row is past raise_max's range.
         const bool raise = __any_sync(0xffffffff, over);
         const bool past_range = __any_sync(0xffffffff, over && !Softmax::raisable(tile_sum));
         if constexpr (kSettleAtTurn) {
-          // A tile past the range is settled at the next turn (settle): the warps
-          // publish their verdict through shared memory, and the turn's
-          // barrier, which they pass anyway, makes it visible to all. A
-          // raise is the warp's own, after the wait (outside the turn).
+          // A tile past the range is settled at the next turn (settle): the
+          // warps publish their verdict through shared memory, and the
+          // turn's barrier, which they pass anyway, makes it visible to all.
+          // A raise is the warp's own, after the wait (outside the turn).
           redo = past_range;
           if (stale) {
             softmax.keep_max(tile_sum, /*add=*/!raise, correction);

@@ -120,7 +120,8 @@ struct SoftmaxSm90 {
   // kRescaleBound (false for NaN), which implies that bound for every term;
   // where that fails, the caller raises the maxima from these terms
   // (raise_max), or where they are past raisable's bound, computes the tile
-  // again with fold_max. Needs a finite running max in every row (has_finite_max).
+  // again with fold_max. Needs a finite running max in every row
+  // (has_finite_max).
   template <typename ScoresRowCol>
   __device__ __forceinline__ bool exp_stale(ScoresRowCol& s_rc, bool needs_mask,
                                             float (&tile_sum)[kRows]) const {
@@ -177,11 +178,12 @@ struct SoftmaxSm90 {
   }
 
   // Where exp_stale's bound failed in some row of the warp and the terms are
-  // in raise_max's range (raisable in all of the warp's threads): folds the tile with
-  // raised maxima from the exponentials themselves, without S. A finite term
-  // exp2(x - m) gives the tile's max as m + log2(largest term), and the tile
-  // against a new max m' is each term times exp2(m - m'): what fold_max
-  // would compute from S again, up to the rounding of that multiply. Every
+  // in raise_max's range (raisable in all of the warp's threads): folds the
+  // tile with raised maxima from the exponentials themselves, without S. A
+  // finite term exp2(x - m) gives the tile's max as m + log2(largest term),
+  // and the tile against a new max m' is each term times exp2(m - m'): what
+  // fold_max would compute from S again, up to the rounding of that
+  // multiply. Every
   // row whose largest term exceeds 1 moves to the tile's max (not only those
   // past the slack: a tile whose sum, not its max, failed the bound would
   // otherwise fail again on the next tile of the same data). Scales the terms
