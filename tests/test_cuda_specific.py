@@ -411,12 +411,30 @@ def _check_against_reference(rng, case, dtype, scale=None, deterministic=False, 
     assert np.all(np.isneginf(lse[:, :, ~seen])) and np.all(np.isfinite(lse[:, :, seen]))
 
 
+def _forward_against_reference(rng, q, k, lo, hi, dtype):
+    """The forward at softmax_scale 1 on these scores (q, k as numpy arrays,
+    cast to dtype) and random values: out and lse within the 2x rule of the
+    float64 reference. Returns out, lse and that reference's (out, lse)."""
+    b, sk, hkv, d = k.shape
+    q, k = jnp.asarray(q, dtype), jnp.asarray(k, dtype)
+    v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
+    kw = dict(softmax_scale=1.0, diag_lo=lo, diag_hi=hi)
+    out, lse = _kernel_call(lambda: jax.jit(lambda q, k, v: attention_band(q, k, v, **kw))(q, k, v))
+    truth = [np.asarray(t, np.float64) for t in reference_band(q, k, v, **kw)]
+    plain = reference_band(q, k, v, dtype=dtype, **kw)
+    for name, x, p, t in zip(("out", "lse"), (out, lse), plain, truth):
+        assert_within_rule(name, x, p, t, dtype)
+    return out, lse, truth
+
+
 # Scores whose row maxima rise along the keys, by steps that cross the Hopper
 # forward's rescale slack (2^8 in exp2 terms, about 5.5 in natural units) and
 # one step past float32's exp2 range (about 88.7). The Hopper softmax first
-# takes each key tile against the running max and, where a row's max rose
-# past the slack, computes the tile again with fresh maxima; random scores
-# (the cases above) almost never take that second path. The bias of key block
+# takes each key tile against the running max; where a row's max rose past
+# the slack it raises the max from the exponentials, and where it rose by
+# more than 64 in log2 units (44.4 natural: the steps to 125 and 140), it
+# computes the tile again with fresh maxima; random scores (the cases above)
+# almost never take those paths. The bias of key block
 # j (64 keys) is RISING_BIAS[j] in natural units, added through the first
 # head-dim coordinate (q = +-1 there, half of the rows falling instead).
 RISING_BIAS = [0, 3, 3, 10, 10, 2, 25, 25, 24, 125, 125, 120, 130, 131, 60, 140]
@@ -442,14 +460,7 @@ def test_rising_scores_against_reference(rng, case):
     k = rng.standard_normal((b, sk, hkv, d)) * d ** -0.25
     q[..., 0] = np.where(np.arange(sq) % 2 == 0, 1.0, -1.0)[None, :, None]
     k[..., 0] = np.asarray(RISING_BIAS)[np.minimum(np.arange(sk) // 64, len(RISING_BIAS) - 1)][None, :, None]
-    q, k = jnp.asarray(q, dtype), jnp.asarray(k, dtype)
-    v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
-    kw = dict(softmax_scale=1.0, diag_lo=lo, diag_hi=hi)
-    out, lse = _kernel_call(lambda: jax.jit(lambda q, k, v: attention_band(q, k, v, **kw))(q, k, v))
-    truth = [np.asarray(t, np.float64) for t in reference_band(q, k, v, **kw)]
-    plain = reference_band(q, k, v, dtype=dtype, **kw)
-    for name, x, p, t in zip(("out", "lse"), (out, lse), plain, truth):
-        assert_within_rule(name, x, p, t, dtype)
+    out, lse, truth = _forward_against_reference(rng, q, k, lo, hi, dtype)
     # Scores this large make the plain bfloat16 computation (scores rounded to
     # bfloat16) coarse, and so the rule loose; the kernel takes the scores in
     # float32, so its error stays at P's and O's bfloat16 rounding.
@@ -482,15 +493,8 @@ def test_max_jump_to_float32_range_against_reference(rng, case, rise):
     k = np.zeros((b, sk, hkv, d))
     q[..., 0] = np.where(np.arange(sq) % 2 == 0, 1.0, -1.0)[None, :, None]
     k[:, 300, :, 0] = rise
-    q, k = jnp.asarray(q, dtype), jnp.asarray(k, dtype)
-    v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
-    kw = dict(softmax_scale=1.0, diag_lo=lo, diag_hi=hi)
-    out, lse = _kernel_call(lambda: jax.jit(lambda q, k, v: attention_band(q, k, v, **kw))(q, k, v))
-    truth = [np.asarray(t, np.float64) for t in reference_band(q, k, v, **kw)]
-    plain = reference_band(q, k, v, dtype=dtype, **kw)
+    out, lse, _ = _forward_against_reference(rng, q, k, lo, hi, dtype)
     assert np.all(np.isfinite(np.asarray(out, np.float32))) and np.all(np.isfinite(np.asarray(lse)))
-    for name, x, p, t in zip(("out", "lse"), (out, lse), plain, truth):
-        assert_within_rule(name, x, p, t, dtype)
 
 
 # Sharply peaked scores (queries times 8: scores of standard deviation 8 in
