@@ -43,6 +43,13 @@ struct PrepTile {
   int row0, rows;     // the tile's rows of the head: [row0, row0 + rows)
 };
 
+// Row r of the tile in dq_accum, at dq_accum's strides (jflash/params.h).
+__device__ __forceinline__ float* prep_dq_accum_row(const BwdParams& params, const PrepTile& tile,
+                                                    int r) {
+  return params.dq_accum + tile.batch * params.dq_accum_batch_stride +
+         tile.head * params.dq_accum_head_stride + (tile.row0 + r) * params.dq_accum_row_stride;
+}
+
 template <int kTileRows>
 __device__ __forceinline__ int64_t prep_num_tiles(const BwdParams& params) {
   return int64_t{params.batch} * params.num_heads * ((params.seqlen_q + kTileRows - 1) / kTileRows);
@@ -123,9 +130,7 @@ __global__ void __launch_bounds__(kPrepThreads)
       if (r < tile.rows) {
         const int64_t index = tile.first_row + tile.row0 + r;
         if (sub == 0) params.delta[index] = dot - params.dlse[index];
-        float4* acc = reinterpret_cast<float4*>(
-            params.dq_accum + tile.batch * params.dq_accum_batch_stride +
-            tile.head * params.dq_accum_head_stride + (tile.row0 + r) * params.dq_accum_row_stride);
+        float4* acc = reinterpret_cast<float4*>(prep_dq_accum_row(params, tile, r));
         for (int f = sub; f < zero_chunks; f += kThreadsPerRow) {
           acc[f] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
@@ -172,10 +177,7 @@ __global__ void __launch_bounds__(kPrepThreads)
       for (int i = 0; i < kPrepRowsPerThread; ++i) {
         const int r = group + i * kRowGroups;
         acc[i] = r < tile.rows && f < quads
-                     ? reinterpret_cast<const float4*>(
-                           params.dq_accum + tile.batch * params.dq_accum_batch_stride +
-                           tile.head * params.dq_accum_head_stride +
-                           (tile.row0 + r) * params.dq_accum_row_stride)[f]
+                     ? reinterpret_cast<const float4*>(prep_dq_accum_row(params, tile, r))[f]
                      : make_float4(0.f, 0.f, 0.f, 0.f);
       }
       CUTE_UNROLL
