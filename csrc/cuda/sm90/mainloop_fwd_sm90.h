@@ -271,9 +271,9 @@ struct FwdMainloopSm90 {
   // kStaleMax with ping-pong: each warp's verdict on its softmax of a key
   // tile (redo: terms past raise_max's range, S must be computed again),
   // published in shared memory and read by the whole warpgroup after the
-  // next turn's barrier. The
-  // accesses are asm volatile so that the compiler keeps them on their side
-  // of that barrier (also asm volatile, without a memory clobber).
+  // next turn's barrier. The accesses are asm volatile so that the compiler
+  // keeps them on their side of that barrier (also asm volatile, without a
+  // memory clobber).
   const int lane;
   const int warp_in_group;
   bool redo = false;  // this warp's verdict on the last key tile

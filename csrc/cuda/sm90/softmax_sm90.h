@@ -183,14 +183,14 @@ struct SoftmaxSm90 {
   // finite term exp2(x - m) gives the tile's max as m + log2(largest term),
   // and the tile against a new max m' is each term times exp2(m - m'): what
   // fold_max would compute from S again, up to the rounding of that
-  // multiply. Every
-  // row whose largest term exceeds 1 moves to the tile's max (not only those
-  // past the slack: a tile whose sum, not its max, failed the bound would
-  // otherwise fail again on the next tile of the same data). Scales the terms
-  // in s_rc, adds this thread's scaled terms to its running sums (after
-  // scaling those too), and leaves O's factors in correction. Called by the
-  // whole warp (quad shuffles); the rare path, so written for few registers
-  // (one serial max per row: head dim 64's 128 per thread leave little).
+  // multiply. Every row whose largest term exceeds 1 moves to the tile's max
+  // (not only those past the slack: a tile whose sum, not its max, failed the
+  // bound would otherwise fail again on the next tile of the same data).
+  // Scales the terms in s_rc, adds this thread's scaled terms to its running
+  // sums (after scaling those too), and leaves O's factors in correction.
+  // Called by the whole warp (quad shuffles); the rare path, so written for
+  // few registers (one serial max per row: head dim 64's 128 per thread leave
+  // little).
   template <typename ScoresRowCol>
   __device__ __forceinline__ void raise_max(ScoresRowCol& s_rc, float (&correction)[kRows]) {
     CUTE_UNROLL
