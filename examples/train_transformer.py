@@ -13,9 +13,10 @@ runs attention on its own batch shard). On CPU, try several host devices:
 
 --context-parallel N shards the sequence over N devices as well (a
 ("data", "seq") mesh): tokens are put in the zigzag layout with
-jflash.context_parallel.shard_sequence, and jflash's attention runs as ring
-attention over "seq" (jflash.context_parallel_strategy picks ring or
-all-gather). For example, on 8 simulated CPU devices:
+jflash.context_parallel.shard_sequence, and jflash's attention runs
+context-parallel over "seq" (--cp-strategy: ring, all_gather, or auto, which
+picks by jflash.context_parallel.choose_strategy). For example, on 8 simulated
+CPU devices:
 
     python examples/train_transformer.py --host-devices 8 --context-parallel 4
 
@@ -70,7 +71,7 @@ def parse_args():
     p.add_argument("--check-rtol", type=float, default=None, help="default 1e-3 f32, 3e-2 bf16")
     p.add_argument("--host-devices", type=int, default=None, help="CPU devices to simulate")
     p.add_argument("--context-parallel", type=int, default=1, metavar="N",
-                   help="shard the sequence over N devices (ring attention, zigzag layout)")
+                   help="shard the sequence over N devices (context-parallel, zigzag layout)")
     p.add_argument("--cp-strategy", default="auto", choices=("auto", "ring", "all_gather"))
     p.add_argument("--head-parallel", type=int, default=1, metavar="N",
                    help="shard attention heads and the MLP over N devices (a 'model' mesh axis)")

@@ -184,18 +184,21 @@ def test_auto_strategy_heuristic(rng):
     assert choose("auto", 2, 8, 8, keys_per_device=131072) == "all_gather"
     assert choose("auto", 2, 8, 8, keys_per_device=262144) == "ring"  # long blocks: ring
     assert choose("auto", 2, 16, 2, keys_per_device=262144) == "all_gather"  # few kv heads
-    assert choose("auto", 4, 8, 8) == "ring"
-    assert choose("auto", 4, 16, 2) == "all_gather"  # few kv heads: K/V smaller than q
+    assert choose("auto", 4, 8, 8) == "all_gather"  # up to 4 devices, short blocks
+    assert choose("auto", 4, 8, 8, keys_per_device=262144) == "ring"
+    assert choose("auto", 8, 8, 8) == "ring"  # past 4 devices
+    assert choose("auto", 8, 32, 2) == "all_gather"  # few kv heads: K/V smaller than q
     assert choose("ring", 2, 16, 1) == "ring"
-    # Under jit: 4 sequence devices, MHA -> ring; 8 query heads on 1 kv head -> all-gather.
+    # Under jit, 4 sequence devices: short blocks -> all-gather, unless the
+    # strategy says ring.
     mesh = _mesh()
-    for heads_kv, want in ((4, "collective-permute"), (1, "all-gather")):
-        q, k, v, _, _ = _inputs(rng, batch=1, seq=32, heads=4 if heads_kv == 4 else 8,
-                                heads_kv=heads_kv)
-        args = [jax.device_put(x, NamedSharding(mesh, P(None, "seq"))) for x in (q, k, v)]
-        fn = jax.jit(lambda q, k, v: jflash.flash_attention(q, k, v, causal=True))
-        collectives = _hlo_collectives(fn.lower(*args).compile())
-        assert collectives[want] > 0, (heads_kv, collectives)
+    q, k, v, _, _ = _inputs(rng, batch=1, seq=32, heads=4, heads_kv=4)
+    args = [jax.device_put(x, NamedSharding(mesh, P(None, "seq"))) for x in (q, k, v)]
+    fn = lambda q, k, v: jflash.flash_attention(q, k, v, causal=True)  # noqa: E731
+    for strategy, want in (("auto", "all-gather"), ("ring", "collective-permute")):
+        with jflash.context_parallel_strategy(strategy):
+            collectives = _hlo_collectives(jax.jit(fn).lower(*args).compile())
+        assert collectives[want] > 0, (strategy, collectives)
 
 
 def test_explicit_axes_dot_product_attention(rng):

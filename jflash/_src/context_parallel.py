@@ -194,14 +194,18 @@ def band_kind(seqlen_q, seqlen_k, diag_lo, diag_hi):
     return None
 
 
-# Keys per device from which a ring of two devices beats the all-gather. Measured
-# on 2 NVIDIA H200 (NVLink), bfloat16, head dim 128, 16 query heads over 8 kv
-# heads, forward+backward (benchmarks/results/
-# gpu_2x-nvidia-h200_20261124_context-parallel-scaling.json): per-device rate
-# all-gather / ring 1.08 (unmasked) and 0.99 (causal) at 64k keys per device,
-# 1.04 and 1.00 at 128k, 0.98 and 0.96 at 256k, and causal 0.99 at 512k, where
-# the all-gather also holds 1.5x the ring's temporaries (21 against 15 GB).
-RING_MIN_KEYS_PER_DEVICE_AT_2 = 262144
+# Keys per device from which a ring of up to four devices beats the all-gather.
+# Measured on NVIDIA H200s (NVLink), bfloat16, head dim 128, 16 query heads
+# over 8 kv heads, forward+backward, per-device rate all-gather / ring: on 2
+# (benchmarks/results/gpu_2x-nvidia-h200_20261124_context-parallel-scaling.json)
+# 1.08 (unmasked) and 0.99 (causal) at 64k keys per device, 1.04 and 1.00 at
+# 128k, 0.98 and 0.96 at 256k, and causal 0.99 at 512k, where the all-gather
+# also holds 1.5x the ring's temporaries (21 against 15 GB); on 4
+# (gpu_4x-nvidia-h200_20261129_context-parallel-scaling.json) 1.07 and 1.06
+# at 32k, 1.10 and 1.04 at 64k, 1.10 and 1.01 at 128k (temporaries 9.7-10.8
+# against 4.3-4.6 GB at 128k). Past 4 devices not measured: the ring.
+RING_MIN_KEYS_PER_DEVICE = 262144
+GATHER_MAX_DEVICES = 4
 
 
 def choose_strategy(strategy, axis_size, num_heads, num_heads_kv, keys_per_device=None):
@@ -209,18 +213,17 @@ def choose_strategy(strategy, axis_size, num_heads, num_heads_kv, keys_per_devic
 
     all_gather when the whole sequence's K and V are no bigger than a device's
     query block (num_heads >= 2 * axis_size * num_heads_kv: GQA/MQA with few kv
-    heads), or when the ring has 2 devices and fewer than
-    RING_MIN_KEYS_PER_DEVICE_AT_2 keys per device (one hop: little to overlap,
-    and the all-gather's one collective measured faster there); ring otherwise.
-    keys_per_device None counts as short. "ring" or "all_gather" are returned
-    as given.
+    heads), or when there are at most GATHER_MAX_DEVICES devices and fewer
+    than RING_MIN_KEYS_PER_DEVICE keys per device (the all-gather's one
+    collective measured faster there); ring otherwise. keys_per_device None
+    counts as short. "ring" or "all_gather" are returned as given.
     """
     if strategy != "auto":
         return strategy
     if num_heads >= 2 * axis_size * num_heads_kv:
         return "all_gather"
-    if axis_size <= 2 and (keys_per_device is None
-                           or keys_per_device < RING_MIN_KEYS_PER_DEVICE_AT_2):
+    short = keys_per_device is None or keys_per_device < RING_MIN_KEYS_PER_DEVICE
+    if axis_size <= GATHER_MAX_DEVICES and short:
         return "all_gather"
     return "ring"
 
