@@ -75,13 +75,15 @@ def chunked_attention(n, causal):
         block = qs[0].shape[1]
         outs, lses = [], []
         for idx in range(n):
-            out = jnp.zeros(qs[idx].shape, f32)
-            lse = jnp.full((q.shape[0], q.shape[2], block), -jnp.inf, f32)
+            out = lse = None
             for step in range(n):
                 src = (idx - step) % n
                 for r0, rn, k0, kn, hi in ring_pairs(n, causal, block, idx, step):
                     part = fwd_call(qs[idx][:, r0:r0 + rn], ks[src][:, k0:k0 + kn],
                                     vs[src][:, k0:k0 + kn], -rn, hi)
+                    if out is None:  # step 0, all rows: as the ring, no merge
+                        out, lse = part[0].astype(f32), part[1]
+                        continue
                     o, l_ = cp.merge((out[:, r0:r0 + rn], lse[..., r0:r0 + rn]), part)
                     out, lse = out.at[:, r0:r0 + rn].set(o), lse.at[..., r0:r0 + rn].set(l_)
             outs.append(out.astype(q.dtype))
