@@ -74,26 +74,20 @@ def chunked_attention(n, causal):
         qs, ks, vs = blocks(q), blocks(k), blocks(v)
         block = qs[0].shape[1]
         outs, lses = [], []
-        # As the ring: the running float32 output and lse of a device's rows, as
-        # one piece, or in the zigzag layout one per query chunk (a pair merges
-        # into the pieces its rows cover, whole); step 0's output starts them.
-        pieces = 2 if causal else 1
-        size = block // pieces
         for idx in range(n):
-            acc = None
+            out = lse = None
             for step in range(n):
                 src = (idx - step) % n
                 for r0, rn, k0, kn, hi in ring_pairs(n, causal, block, idx, step):
                     part = fwd_call(qs[idx][:, r0:r0 + rn], ks[src][:, k0:k0 + kn],
                                     vs[src][:, k0:k0 + kn], -rn, hi)
-                    if acc is None:
-                        acc = [(o.astype(f32), l_) for o, l_ in cp._row_chunks(part, pieces)]
+                    if out is None:  # step 0, all rows: as the ring, no merge
+                        out, lse = part[0].astype(f32), part[1]
                         continue
-                    first = r0 // size
-                    for i, p in enumerate(cp._row_chunks(part, rn // size)):
-                        acc[first + i] = cp.merge(acc[first + i], p)
-            outs.append(jnp.concatenate([o for o, _ in acc], 1).astype(q.dtype))
-            lses.append(jnp.concatenate([l_ for _, l_ in acc], 2))
+                    o, l_ = cp.merge((out[:, r0:r0 + rn], lse[..., r0:r0 + rn]), part)
+                    out, lse = out.at[:, r0:r0 + rn].set(o), lse.at[..., r0:r0 + rn].set(l_)
+            outs.append(out.astype(q.dtype))
+            lses.append(lse)
         # Materialized, as the backward's gradients below.
         return jax.lax.optimization_barrier((jnp.concatenate(outs, 1), jnp.concatenate(lses, 2)))
 

@@ -269,6 +269,10 @@ def _add_q_rows(x, part, start):
     return jax.lax.dynamic_update_slice_in_dim(x, current + part.astype(x.dtype), start, axis)
 
 
+def _set_rows(x, part, start, axis):
+    return jax.lax.dynamic_update_slice_in_dim(x, part, start, axis)
+
+
 def merge(acc, part):
     """Merges two partial attentions over disjoint keys through their lse.
 
@@ -337,33 +341,18 @@ def _ring_loop(first, step, last, n, carry, kv, plan):
 
 
 def _ring_fwd(q, k, v, *, plan, call):
-    """The running float32 output and lse of the device's rows, merged with each
-    step's partial ones. In the zigzag layout they are kept as the two query
-    chunks' own arrays, so that a step that only adds to the late chunk merges
-    into that array whole: an in-place update of half the rows of one array
-    took as long as merging all of them (`tools/cp_merge_time.py`)."""
     lq, lk = q.shape[-3], k.shape[-3]
     idx = _axis_index(plan)
-    chunks = 2 if plan.causal and plan.layout == "zigzag" else 1
 
     def first(_, kv):  # the device's own block
         out, lse = call(q, *kv, -lq, 0 if plan.causal else lk)
-        return _row_chunks((out.astype(_F32), lse), chunks)
+        return out.astype(_F32), lse
 
     def step(acc, kv, s):
         return _ring_fwd_step(q, kv, acc, s, idx, plan, call)
 
-    acc = _ring_loop(first, step, lambda acc: acc, plan.axis_size, None, (k, v), plan)
-    out = jnp.concatenate([o for o, _ in acc], axis=q.ndim - 3)
-    lse = jnp.concatenate([l_ for _, l_ in acc], axis=q.ndim - 2)
+    out, lse = _ring_loop(first, step, lambda acc: acc, plan.axis_size, None, (k, v), plan)
     return out.astype(q.dtype), lse
-
-
-def _row_chunks(part, chunks):
-    """(out, lse) of all the rows -> a tuple of chunks equal (out, lse) pieces."""
-    out, lse = part
-    c = out.shape[-3] // chunks
-    return tuple((_q_rows(out, i * c, c), _lse_rows(lse, i * c, c)) for i in range(chunks))
 
 
 def _ring_fwd_step(q, kv, acc, step, idx, plan, call):
@@ -371,14 +360,14 @@ def _ring_fwd_step(q, kv, acc, step, idx, plan, call):
     k, v = kv
     lq, lk = q.shape[-3], k.shape[-3]
     if not plan.causal:
-        return (merge(acc[0], call(q, k, v, -lq, lk)),)
+        return merge(acc, call(q, k, v, -lq, lk))
     src = (idx - step) % plan.axis_size
     if plan.layout == "contiguous":
         # The source block is entirely before this device's (visible) or after
         # it (masked: skipped).
         return jax.lax.cond(
             src < idx,
-            lambda acc, k, v: (merge(acc[0], call(q, k, v, -lq, lk)),),
+            lambda acc, k, v: merge(acc, call(q, k, v, -lq, lk)),
             lambda acc, k, v: acc,
             acc, k, v,
         )
@@ -389,11 +378,15 @@ def _ring_fwd_step(q, kv, acc, step, idx, plan, call):
     c = lq // 2
 
     def early(acc, k, v):
-        parts = _row_chunks(call(q, _q_rows(k, 0, c), _q_rows(v, 0, c), -lq, c), 2)
-        return tuple(merge(a, p) for a, p in zip(acc, parts))
+        return merge(acc, call(q, _q_rows(k, 0, c), _q_rows(v, 0, c), -lq, c))
 
     def late(acc, k, v):
-        return acc[0], merge(acc[1], call(_q_rows(q, c, c), k, v, -c, lk))
+        out, lse = acc
+        tail = merge(
+            (_q_rows(out, c, c), _lse_rows(lse, c, c)),
+            call(_q_rows(q, c, c), k, v, -c, lk),
+        )
+        return (_set_rows(out, tail[0], c, out.ndim - 3), _set_rows(lse, tail[1], c, lse.ndim - 1))
 
     return jax.lax.cond(src < idx, early, late, acc, k, v)
 
