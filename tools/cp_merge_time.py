@@ -8,15 +8,19 @@ steps whose source follows the device), in a jitted loop of dependent merges.
 """
 
 import argparse
-import time
+import pathlib
+import sys
 
-import jax
-import jax.numpy as jnp
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from jflash._src import context_parallel as cp
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import common  # noqa: E402
+from jflash._src import context_parallel as cp  # noqa: E402
 
 
-def time_merge(rows, block, heads, head_dim, iters=100, repeats=5):
+def time_merge(rows, block, heads, head_dim, iters=100):
     f32 = jnp.float32
     keys = jax.random.split(jax.random.key(0), 4)
     out = jax.random.normal(keys[0], (1, block, heads, head_dim), f32)
@@ -34,13 +38,8 @@ def time_merge(rows, block, heads, head_dim, iters=100, repeats=5):
 
         return jax.lax.fori_loop(0, iters, body, (out, lse))
 
-    jax.block_until_ready(loop(out, lse, part))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(loop(out, lse, part))
-        times.append(time.perf_counter() - t)
-    return sorted(times)[repeats // 2] / iters
+    return common.time_loop(loop, (out, lse, part), iterations=iters, min_repeats=5,
+                            max_repeats=5)["median_s"]
 
 
 def main():
