@@ -8,6 +8,12 @@ The ratio to one flash_attention call on the whole sequence is the kernels'
 efficiency at chunk size (what shorter calls and the merges cost), the ceiling
 of a ring whose transfers are hidden.
 
+The chunks take their inputs and give their outputs in the layout the ring's
+devices hold (zigzag for causal calls: README, "Context parallelism"): a model
+permutes its tokens into that layout once per batch, not per attention call,
+so the permutation is made once before the timed loop. The one call on the
+whole sequence takes the tokens in order.
+
 Default grid: sequence 64k and 128k, bfloat16, head dim 128, 16 query heads
 over 8 kv heads, batch 1, causal and not, forward+backward, 8 chunks.
 
@@ -22,6 +28,7 @@ jax version and commit (common.environment_record).
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 import sys
 import traceback
@@ -46,8 +53,9 @@ def ring_pairs(n, causal, block, idx, step):
 
 
 def chunked_attention(n, causal):
-    """attention(q, k, v) -> out (token order), computed as the n devices of a
-    ring in the zigzag layout would, one device after the other on this device."""
+    """attention(q, k, v) -> out, computed as the n devices of a ring would, one
+    device after the other on this device; q, k, v and out in the ring's layout
+    (zigzag_layout(x, n, causal))."""
     import jax
     import jax.numpy as jnp
 
@@ -102,8 +110,9 @@ def chunked_attention(n, causal):
         block = qs[0].shape[1]
         lses = [lse[..., i * block:(i + 1) * block] for i in range(n)]
         dq = [None] * n
-        dk = [jnp.zeros(x.shape, f32) for x in ks]
-        dv = [jnp.zeros(x.shape, f32) for x in vs]
+        # As the ring: a block's first contribution (in this order always all
+        # of its keys) starts its float32 dK/dV sums, the later ones add.
+        dk, dv = [None] * n, [None] * n
         for idx in range(n):
             # As the ring: the first step's call (all of the block's rows)
             # starts the float32 dq sum and gives the rows' delta, the later
@@ -126,8 +135,12 @@ def chunked_attention(n, causal):
                             dq[idx], r0, q_rows, k_keys, v_keys, dos[idx][:, rows],
                             lses[idx][..., rows], delta[..., rows], -rn, hi,
                         )
-                    dk[src] = dk[src].at[:, keys].add(gk.astype(f32))
-                    dv[src] = dv[src].at[:, keys].add(gv.astype(f32))
+                    if dk[src] is None:
+                        assert (k0, kn) == (0, block)
+                        dk[src], dv[src] = gk.astype(f32), gv.astype(f32)
+                    else:
+                        dk[src] = dk[src].at[:, keys].add(gk.astype(f32))
+                        dv[src] = dv[src].at[:, keys].add(gv.astype(f32))
         dq = [bwd_call.dq(acc, q.dtype) for acc in dq]
         grads = (jnp.concatenate(dq, 1),
                  *(jnp.concatenate(g, 1).astype(x.dtype) for g, x in ((dk, k), (dv, v))))
@@ -138,14 +151,17 @@ def chunked_attention(n, causal):
         return jax.lax.optimization_barrier(grads)
 
     attention_zigzag.defvjp(attention_fwd, attention_bwd)
+    return attention_zigzag
 
-    def attention(q, k, v):
-        if causal:
-            q, k, v = (cp.to_zigzag(x, n, 1) for x in (q, k, v))
-        out = attention_zigzag(q, k, v)
-        return cp.from_zigzag(out, n, 1) if causal else out
 
-    return attention
+def zigzag_layout(x, n, causal, inverse=False):
+    """x [batch, seq, ...] in the layout the chunks take (zigzag for causal
+    calls, token order otherwise), or back with inverse."""
+    from jflash._src import context_parallel as cp
+
+    if not causal:
+        return x
+    return (cp.from_zigzag if inverse else cp.to_zigzag)(x, n, 1)
 
 
 def _check(n, causal):
@@ -161,9 +177,11 @@ def _check(n, causal):
     v = jax.random.normal(keys[2], k.shape)
     cot = jax.random.normal(keys[3], q.shape)
     errs = []
-    for fn in (chunked_attention(n, causal), lambda q, k, v: jflash.flash_attention(q, k, v, causal=causal)):
-        out, vjp = jax.vjp(fn, q, k, v)
-        errs.append((out, *vjp(cot)))
+    layout = functools.partial(zigzag_layout, n=n, causal=causal)
+    out, vjp = jax.vjp(chunked_attention(n, causal), *(layout(x) for x in (q, k, v)))
+    errs.append(tuple(layout(x, inverse=True) for x in (out, *vjp(layout(cot)))))
+    out, vjp = jax.vjp(lambda q, k, v: jflash.flash_attention(q, k, v, causal=causal), q, k, v)
+    errs.append((out, *vjp(cot)))
     worst = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(*errs))
     if not worst < 1e-4:
         raise AssertionError(f"chunks differ from one call by {worst:g} (causal={causal})")
@@ -231,10 +249,15 @@ def main(argv=None):
                 "whole": lambda q, k, v, c=causal: jflash.flash_attention(q, k, v, causal=c),
                 "chunks": chunked_attention(args.chunks, causal),
             }
+            # The chunks' inputs in the ring's layout, made once (module docstring).
+            inputs = {"whole": (q, k, v, cot),
+                      "chunks": tuple(zigzag_layout(x, args.chunks, causal) for x in (q, k, v, cot))}
             for name, fn in impls.items():
                 rec = dict(impl=name, seq=seq, batch=args.batch, heads=args.heads,
                            kv_heads=args.kv_heads, head_dim=args.head_dim, causal=causal,
                            mode=args.mode, dtype=args.dtype, chunks=args.chunks)
+                if name == "chunks":
+                    rec["layout"] = "zigzag" if causal else "contiguous"  # made once, untimed
                 try:
                     iterations = common.iterations_for(flops, rate, args.target_ms / 1e3,
                                                        hi=args.max_iterations)
@@ -245,7 +268,7 @@ def main(argv=None):
                     # H100 timed unmasked chunks at 2.4x one whole call, above the
                     # chip's peak.
                     loop = common.make_loop(fn, args.mode, iterations, feed="out")
-                    timing = common.time_loop(loop, (q, k, v, cot), iterations=iterations,
+                    timing = common.time_loop(loop, inputs[name], iterations=iterations,
                                               min_repeats=args.repeats)
                     rec["final_q_rms"] = common.check_finite_nonzero(timing.pop("last_carry")[0])
                     rec.update(timing, iterations=iterations)
