@@ -94,6 +94,10 @@ def chunked_attention(n, causal):
                         continue
                     o, l_ = cp.merge((out[:, r0:r0 + rn], lse[..., r0:r0 + rn]), part)
                     out, lse = out.at[:, r0:r0 + rn].set(o), lse.at[..., r0:r0 + rn].set(l_)
+                    # Each step's sum materialized, as the ring's loop carries
+                    # it; otherwise XLA would fuse a device's merges into one
+                    # pass after all its calls, which the ring's loop cannot.
+                    out, lse = _step_end((out, lse))
             outs.append(out.astype(q.dtype))
             lses.append(lse)
         # Materialized, as the backward's gradients below.
@@ -141,6 +145,7 @@ def chunked_attention(n, causal):
                     else:
                         dk[src] = dk[src].at[:, keys].add(gk.astype(f32))
                         dv[src] = dv[src].at[:, keys].add(gv.astype(f32))
+                    dk[src], dv[src] = _step_end((dk[src], dv[src]))  # as the forward's sums
         dq = [bwd_call.dq(acc, q.dtype) for acc in dq]
         grads = (jnp.concatenate(dq, 1),
                  *(jnp.concatenate(g, 1).astype(x.dtype) for g, x in ((dk, k), (dv, v))))
@@ -152,6 +157,13 @@ def chunked_attention(n, causal):
 
     attention_zigzag.defvjp(attention_fwd, attention_bwd)
     return attention_zigzag
+
+
+def _step_end(carry):
+    """The state a ring's step leaves for the next one, materialized."""
+    import jax
+
+    return jax.lax.optimization_barrier(carry)
 
 
 def zigzag_layout(x, n, causal, inverse=False):
