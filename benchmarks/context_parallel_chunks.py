@@ -114,9 +114,9 @@ def chunked_attention(n, causal):
         block = qs[0].shape[1]
         lses = [lse[..., i * block:(i + 1) * block] for i in range(n)]
         dq = [None] * n
-        # As the ring: a block's first contribution (in this order always all
-        # of its keys) starts its float32 dK/dV sums, the later ones add.
-        dk, dv = [None] * n, [None] * n
+        # As the ring: one float32 dK, dV sum per K/V block, which the kernels
+        # add into (the calls' keys are a prefix of the block's).
+        dkv = [bwd_call.dkv_zeros(x) for x in ks]
         for idx in range(n):
             # As the ring: the first step's call (all of the block's rows)
             # starts the float32 dq sum and gives the rows' delta, the later
@@ -126,29 +126,22 @@ def chunked_attention(n, causal):
             for step in range(n):
                 src = (idx - step) % n
                 for r0, rn, k0, kn, hi in ring_pairs(n, causal, block, idx, step):
+                    assert k0 == 0
                     rows = slice(r0, r0 + rn)
-                    keys = slice(k0, k0 + kn)
-                    q_rows, k_keys, v_keys = qs[idx][:, rows], ks[src][:, keys], vs[src][:, keys]
+                    q_rows, k_keys, v_keys = qs[idx][:, rows], ks[src][:, :kn], vs[src][:, :kn]
                     if delta is None:
-                        dq[idx], gk, gv, delta = bwd_call.start(
+                        dq[idx], dkv[src], delta = bwd_call.start(
                             q_rows, k_keys, v_keys, os_[idx][:, rows], dos[idx][:, rows],
-                            lses[idx][..., rows], dlse[..., rows], -rn, hi,
+                            lses[idx][..., rows], dlse[..., rows], -rn, hi, dkv[src],
                         )
                     else:
-                        dq[idx], gk, gv = bwd_call.add(
-                            dq[idx], r0, q_rows, k_keys, v_keys, dos[idx][:, rows],
+                        dq[idx], dkv[src] = bwd_call.add(
+                            dq[idx], r0, dkv[src], q_rows, k_keys, v_keys, dos[idx][:, rows],
                             lses[idx][..., rows], delta[..., rows], -rn, hi,
                         )
-                    if dk[src] is None:
-                        assert (k0, kn) == (0, block)
-                        dk[src], dv[src] = gk.astype(f32), gv.astype(f32)
-                    else:
-                        dk[src] = dk[src].at[:, keys].add(gk.astype(f32))
-                        dv[src] = dv[src].at[:, keys].add(gv.astype(f32))
-                    dk[src], dv[src] = _step_end((dk[src], dv[src]))  # as the forward's sums
         dq = [bwd_call.dq(acc, q.dtype) for acc in dq]
-        grads = (jnp.concatenate(dq, 1),
-                 *(jnp.concatenate(g, 1).astype(x.dtype) for g, x in ((dk, k), (dv, v))))
+        dks, dvs = zip(*(bwd_call.dkv(acc, k.dtype) for acc in dkv))
+        grads = (jnp.concatenate(dq, 1), jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1))
         # Materialized, as a ring's outputs are (they leave a shard_map and a
         # loop): otherwise XLA fuses the caller's use of dq into the chunks'
         # chain of updates (the timed loop's rms of dq took 8.3 ms of a 118 ms

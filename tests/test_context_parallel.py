@@ -309,13 +309,18 @@ def test_dq_mode_arguments_are_checked(rng):
     q, k, v, dout, dlse = _inputs(rng, batch=1, seq=16, heads=2, heads_kv=2, head_dim=32)
     call = kernel_calls.bwd_band_call(1.0, on_cpu=True)
     out, lse = kernel_calls._fwd_ffi(q, k, v, softmax_scale=1.0, diag_lo=-16, diag_hi=16)
-    accum, _, _, delta = call.start(q, k, v, out, dout, lse, dlse, -16, 16)
+    dkv = call.dkv_zeros(k)
+    accum, dkv, delta = call.start(q, k, v, out, dout, lse, dlse, -16, 16, dkv)
     with pytest.raises(Exception, match="dq_accum_row_offset"):  # 8 rows from row 9 of 16
-        jax.block_until_ready(call.add(accum, 9, q[:, :8], k, v, dout[:, :8], lse[..., :8],
-                                       delta[..., :8], -16, 16))
+        jax.block_until_ready(call.add(accum, 9, dkv, q[:, :8], k, v, dout[:, :8],
+                                       lse[..., :8], delta[..., :8], -16, 16))
     with pytest.raises(ValueError, match="DQ_ADD_TO_ACCUM"):
         kernel_calls._bwd_ffi(q, k, v, out, dout, lse, dlse, softmax_scale=1.0, diag_lo=-16,
                               diag_hi=16, on_cpu=True, row_offset=3)
+    # dK, dV sums with fewer rows than the call's keys, or not float32.
+    for bad in (dkv[:, :, :15], dkv.astype(jnp.bfloat16), dkv[:, :1]):
+        with pytest.raises(ValueError, match="dkv_accum must be float32"):
+            call.add(accum, 0, bad, q, k, v, dout, lse, delta, -16, 16)
 
 
 def test_errors(rng):

@@ -15,6 +15,7 @@
 // in that task's float32 tile; params.dq_accum (scratch of the GPU kernels) is
 // not needed here, except where the caller takes it or adds into it (params.h,
 // DqMode; then delta may be the caller's too, and the first pass is skipped).
+// Likewise dk, dv: written, or added into the caller's float32 sums (DkvMode).
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -240,6 +241,20 @@ JFLASH_INLINE void dkdv_block(const BwdParams& params, int64_t task) {
     }
   }
 
+  if (params.dkv_mode == DkvMode::kAddToAccum) {
+    // The caller's float32 sums (params.h, DkvMode): dK (scaled, as dk), dV.
+    float* accum = params.dkv_accum + batch * params.dkv_accum_batch_stride +
+                   kv_head * params.dkv_accum_head_stride + k0 * params.dkv_accum_row_stride;
+    for (int plane = 0; plane < 2; ++plane) {
+      const float* tile = plane == 0 ? dk : dv;
+      for (int i = 0; i < k_rows; ++i) {
+        float* row = accum + plane * params.dkv_accum_plane_stride +
+                     i * params.dkv_accum_row_stride;
+        for (int c = 0; c < head_dim; ++c) row[c] += tile[i * d_pad + c];
+      }
+    }
+    return;
+  }
   store_tile(dk, d_pad, k_rows, head_dim, 1.0f, params.dtype, params.dk,
              batch * params.dk_batch_stride + k0 * params.dk_row_stride +
                  kv_head * params.dk_head_stride,

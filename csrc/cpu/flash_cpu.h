@@ -14,8 +14,9 @@ void flash_fwd(const FwdParams& params, MaskKind mask);
 
 // dq, dk, dv <- backward of flash_fwd, recomputing P from lse. Uses params.delta
 // as float32 scratch (or reads the caller's); dq goes where params.dq_mode says:
-// dq, or the caller's float32 dq_accum (null, unused, with DqMode::kWrite). GQA
-// gradients are summed into the kv head inside the kernel.
+// dq, or the caller's float32 dq_accum (null, unused, with DqMode::kWrite); dk,
+// dv where params.dkv_mode says. GQA gradients are summed into the kv head
+// inside the kernel.
 void flash_bwd(const BwdParams& params, MaskKind mask);
 
 // out, lse <- decode attention over a KV cache (params.h, DecodeParams), after

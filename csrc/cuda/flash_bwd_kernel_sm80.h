@@ -357,11 +357,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   }
 
-  // dK and dV of the key block, written once.
-  store_dk_dv<Element>(
-      acc_dk, acc_dv,
-      thr_mma_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{})), key0,
-      batch, kv_head, params, Int<kHeadDim>{});
+  // dK and dV of the key block, written once (or added into the caller's sums).
+  const auto dkv_coords =
+      thr_mma_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  if (params.dkv_mode == DkvMode::kAddToAccum) {
+    add_dk_dv(acc_dk, acc_dv, dkv_coords, key0, batch, kv_head, params);
+  } else {
+    store_dk_dv<Element>(acc_dk, acc_dv, dkv_coords, key0, batch, kv_head, params,
+                         Int<kHeadDim>{});
+  }
 }
 
 // The score kind comes last but one: the plain kernels' instantiation files

@@ -325,33 +325,41 @@ __device__ __forceinline__ void store_dk_dv(AccDK& acc_dk, AccDV const& acc_dv,
   }
 }
 
-// The same for a share of a GQA group's heads (head_splits > 1): the float32
-// partial sums added into dkv_accum ([batch, num_heads_kv, 2, seqlen_k,
-// head_dim]; dK unscaled, flash_bwd_convert_dkv_kernel scales it), 8-byte
-// reductions; columns at or past head_dim are not added (the Hopper kernels,
-// the only callers, may be wider than the call).
+// The same added into dkv_accum in float32 (params.adds_dkv(): a share of a
+// split GQA group's heads, or the caller's sums), dK scaled as dk: 8-byte
+// reductions on sm90, two 4-byte ones before; columns at or past head_dim are
+// not added (the Hopper kernels may be wider than the call).
 template <typename AccDK, typename AccDV, typename Coords>
 __device__ __forceinline__ void add_dk_dv(AccDK const& acc_dk, AccDV const& acc_dv,
                                           Coords const& coords, int key0, int batch, int kv_head,
                                           const BwdParams& params) {
-  const int64_t plane = int64_t{params.seqlen_k} * params.head_dim;
-  float* dk = params.dkv_accum + (int64_t{batch} * params.num_heads_kv + kv_head) * 2 * plane;
-  float* dv = dk + plane;
+  float* dk = params.dkv_accum + batch * params.dkv_accum_batch_stride +
+              kv_head * params.dkv_accum_head_stride;
+  float* dv = dk + params.dkv_accum_plane_stride;
+  const float scale = params.softmax_scale;
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); i += 2) {
     const int key = key0 + get<0>(coords(i));
     const int col = get<1>(coords(i));
     if (key < params.seqlen_k && col < params.head_dim) {
-      const int64_t offset = int64_t{key} * params.head_dim + col;
-      atomicAdd(reinterpret_cast<float2*>(dk + offset), make_float2(acc_dk(i), acc_dk(i + 1)));
+      const int64_t offset = key * params.dkv_accum_row_stride + col;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      atomicAdd(reinterpret_cast<float2*>(dk + offset),
+                make_float2(scale * acc_dk(i), scale * acc_dk(i + 1)));
       atomicAdd(reinterpret_cast<float2*>(dv + offset), make_float2(acc_dv(i), acc_dv(i + 1)));
+#else
+      atomicAdd(dk + offset, scale * acc_dk(i));
+      atomicAdd(dk + offset + 1, scale * acc_dk(i + 1));
+      atomicAdd(dv + offset, acc_dv(i));
+      atomicAdd(dv + offset + 1, acc_dv(i + 1));
+#endif
     }
   }
 }
 
-// dk = softmax_scale * dkv_accum[b, h, 0] and dv = dkv_accum[b, h, 1] in the
-// input dtype, four values per thread (after a main kernel that split GQA
-// groups).
+// dk = dkv_accum[b, h, 0] and dv = dkv_accum[b, h, 1] in the input dtype,
+// four values per thread (after a main kernel that split GQA groups into the
+// scratch: DkvMode::kWrite).
 template <typename Element>
 __global__ void flash_bwd_convert_dkv_kernel(const __grid_constant__ BwdParams params) {
   const int64_t num_chunks = dkv_accum_count(params) / 4;
@@ -368,18 +376,17 @@ __global__ void flash_bwd_convert_dkv_kernel(const __grid_constant__ BwdParams p
                                key * params.dv_row_stride + head * params.dv_head_stride
                          : static_cast<Element*>(params.dk) + batch * params.dk_batch_stride +
                                key * params.dk_row_stride + head * params.dk_head_stride;
-    store_scaled4(dst + col, reinterpret_cast<const float4*>(params.dkv_accum)[c],
-                  is_dv ? 1.f : params.softmax_scale);
+    store_scaled4(dst + col, reinterpret_cast<const float4*>(params.dkv_accum)[c], 1.f);
   }
 }
 
 // Before the main kernel: delta computed and dq_accum zeroed (the main
-// kernels add into it) in one pass, and dkv_accum where GQA groups are split
-// and the deterministic mode's counters zeroed. Grid-stride kernels: a few
-// waves of CTAs saturate bandwidth.
+// kernels add into it) in one pass, and the dkv_accum scratch where GQA groups
+// are split and the deterministic mode's counters zeroed. Grid-stride kernels:
+// a few waves of CTAs saturate bandwidth.
 template <typename Element, int kHeadDim>
 cudaError_t launch_bwd_preprocess(const BwdParams& params, const LaunchContext& ctx) {
-  if (params.head_splits > 1) {
+  if (params.head_splits > 1 && params.dkv_mode == DkvMode::kWrite) {
     if (cudaError_t err = cudaMemsetAsync(params.dkv_accum, 0,
                                           dkv_accum_count(params) * sizeof(float), ctx.stream);
         err != cudaSuccess) {
@@ -403,11 +410,11 @@ cudaError_t launch_bwd_preprocess(const BwdParams& params, const LaunchContext& 
 }
 
 // After the main kernel: dq = softmax_scale * dq_accum in the input dtype
-// (unless the caller takes dq_accum: DqMode), and dk, dv from dkv_accum where
-// GQA groups were split.
+// (unless the caller takes dq_accum: DqMode), and dk, dv from the dkv_accum
+// scratch where GQA groups were split.
 template <typename Element>
 cudaError_t launch_bwd_postprocess(const BwdParams& params, const LaunchContext& ctx) {
-  if (params.head_splits > 1) {
+  if (params.head_splits > 1 && params.dkv_mode == DkvMode::kWrite) {
     flash_bwd_convert_dkv_kernel<Element><<<ctx.sm_count * 8, 256, 0, ctx.stream>>>(params);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   }

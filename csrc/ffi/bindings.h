@@ -1,4 +1,4 @@
-// The ABI of jflash_fwd_v5, jflash_bwd_v7, jflash_decode_v1 and
+// The ABI of jflash_fwd_v5, jflash_bwd_v8, jflash_decode_v1 and
 // jflash_decode_append_v1, written once: arguments, results
 // and attributes in the order jflash/_src/kernel_calls.py passes them. Each
 // platform passes in Ffi::Bind() with its own context (the CUDA stream) already
@@ -56,20 +56,24 @@ auto BindBwd(Binding binding) {
                                                  // dq_mode 2 (jflash/params.h, DqMode); else empty
       .template Arg<ffi::AnyBuffer>()            // dq_accum_in: the caller's float32 dq sum with
                                                  // dq_mode 2, aliased to dq_accum; else empty
+      .template Arg<ffi::AnyBuffer>()            // dkv_accum_in: the caller's float32 dK, dV sums
+                                                 // with dkv_mode 1, aliased to dkv_accum; else empty
       .template Ret<ffi::AnyBuffer>()            // dq (empty unless dq_mode 0)
-      .template Ret<ffi::AnyBuffer>()            // dk
-      .template Ret<ffi::AnyBuffer>()            // dv
+      .template Ret<ffi::AnyBuffer>()            // dk (empty with dkv_mode 1)
+      .template Ret<ffi::AnyBuffer>()            // dv (empty with dkv_mode 1)
       .template Ret<ffi::AnyBuffer>()            // dq_accum (float32; scratch with dq_mode 0)
       .template Ret<ffi::AnyBuffer>()            // delta (float32 scratch; empty with dq_mode 2)
       .template Ret<ffi::AnyBuffer>()            // dq_semaphore (int32 scratch; empty: not deterministic)
-      .template Ret<ffi::AnyBuffer>()            // dkv_accum (float32 scratch; empty unless GQA on CUDA)
+      .template Ret<ffi::AnyBuffer>()            // dkv_accum (float32 scratch, empty unless GQA on
+                                                 // CUDA; the caller's sums with dkv_mode 1)
       .template Attr<float>("softmax_scale")
       .template Attr<int64_t>("diag_lo")
       .template Attr<int64_t>("diag_hi")
       .template Attr<float>("softcap")  // 0: none (jflash/score.h)
       .template Attr<int64_t>("tf32_passes")  // float32 on CUDA: 1 or 3 (jflash/params.h)
       .template Attr<int64_t>("dq_mode")      // DqMode (jflash/params.h)
-      .template Attr<int64_t>("dq_accum_row_offset");  // dq_mode 2: this call's first row of dq_accum
+      .template Attr<int64_t>("dq_accum_row_offset")  // dq_mode 2: this call's first row of dq_accum
+      .template Attr<int64_t>("dkv_mode");  // DkvMode (jflash/params.h)
 }
 
 // The decode call's attributes (jflash/_src/decode.py): window sides -1 for

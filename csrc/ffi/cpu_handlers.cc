@@ -1,4 +1,4 @@
-// XLA FFI handlers for platform "cpu": jflash_fwd_v5, jflash_bwd_v7,
+// XLA FFI handlers for platform "cpu": jflash_fwd_v5, jflash_bwd_v8,
 // jflash_decode_v1 and jflash_decode_append_v1.
 //
 // The CUDA handlers (csrc/ffi/cuda_handlers.cu) bind the same arguments in the
@@ -43,19 +43,22 @@ ffi::Error BwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
                   ffi::AnyBuffer q_segment_blocks, ffi::AnyBuffer kv_segment_blocks,
                   ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges,
                   ffi::AnyBuffer delta_in, ffi::AnyBuffer dq_accum_in,
+                  ffi::AnyBuffer dkv_accum_in,
                   ffi::Result<ffi::AnyBuffer> dq,
                   ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                   ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta,
                   ffi::Result<ffi::AnyBuffer> dq_semaphore, ffi::Result<ffi::AnyBuffer> dkv_accum,
                   float softmax_scale, int64_t diag_lo, int64_t diag_hi, float softcap,
-                  int64_t tf32_passes, int64_t dq_mode, int64_t dq_accum_row_offset) {
+                  int64_t tf32_passes, int64_t dq_mode, int64_t dq_accum_row_offset,
+                  int64_t dkv_mode) {
   BwdParams params;
   const ffi_glue::SegmentBuffers segments{q_segment_ids,    kv_segment_ids,   q_segment_blocks,
                                           kv_segment_blocks, q_segment_ranges, kv_segment_ranges};
   if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, segments, delta_in,
-                                         dq_accum_in, *dq, *dk, *dv, *dq_accum, *delta,
-                                         *dq_semaphore, *dkv_accum, softmax_scale, diag_lo,
-                                         diag_hi, softcap, dq_mode, dq_accum_row_offset, &params,
+                                         dq_accum_in, dkv_accum_in, *dq, *dk, *dv, *dq_accum,
+                                         *delta, *dq_semaphore, *dkv_accum, softmax_scale,
+                                         diag_lo, diag_hi, softcap, dq_mode,
+                                         dq_accum_row_offset, dkv_mode, &params,
                                          /*uses_dq_accum=*/false);
       err.failure()) {
     return err;

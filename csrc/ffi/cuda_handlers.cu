@@ -370,20 +370,22 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::AnyBuffer kv_segment_blocks, ffi::AnyBuffer q_segment_ranges,
                    ffi::AnyBuffer kv_segment_ranges,
                    ffi::AnyBuffer delta_in, ffi::AnyBuffer dq_accum_in,
+                   ffi::AnyBuffer dkv_accum_in,
                    ffi::Result<ffi::AnyBuffer> dq,
                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                    ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta,
                    ffi::Result<ffi::AnyBuffer> dq_semaphore,
                    ffi::Result<ffi::AnyBuffer> dkv_accum, float softmax_scale,
                    int64_t diag_lo, int64_t diag_hi, float softcap, int64_t tf32_passes,
-                   int64_t dq_mode, int64_t dq_accum_row_offset) {
+                   int64_t dq_mode, int64_t dq_accum_row_offset, int64_t dkv_mode) {
   BwdParams params;
   const ffi_glue::SegmentBuffers segments{q_segment_ids,    kv_segment_ids,   q_segment_blocks,
                                           kv_segment_blocks, q_segment_ranges, kv_segment_ranges};
   if (auto err = ffi_glue::FillBwdParams(q, k, v, out, dout, lse, dlse, segments, delta_in,
-                                         dq_accum_in, *dq, *dk, *dv, *dq_accum, *delta,
-                                         *dq_semaphore, *dkv_accum, softmax_scale, diag_lo,
-                                         diag_hi, softcap, dq_mode, dq_accum_row_offset, &params);
+                                         dq_accum_in, dkv_accum_in, *dq, *dk, *dv, *dq_accum,
+                                         *delta, *dq_semaphore, *dkv_accum, softmax_scale,
+                                         diag_lo, diag_hi, softcap, dq_mode,
+                                         dq_accum_row_offset, dkv_mode, &params);
       err.failure()) {
     return err;
   }

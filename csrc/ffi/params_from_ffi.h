@@ -239,12 +239,12 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
                                 ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
                                 ffi::AnyBuffer dlse, const SegmentBuffers& segments,
                                 ffi::AnyBuffer delta_in, ffi::AnyBuffer dq_accum_in,
-                                ffi::AnyBuffer dq, ffi::AnyBuffer dk,
+                                ffi::AnyBuffer dkv_accum_in, ffi::AnyBuffer dq, ffi::AnyBuffer dk,
                                 ffi::AnyBuffer dv, ffi::AnyBuffer dq_accum, ffi::AnyBuffer delta,
                                 ffi::AnyBuffer dq_semaphore, ffi::AnyBuffer dkv_accum,
                                 float softmax_scale, int64_t diag_lo, int64_t diag_hi,
                                 float softcap, int64_t dq_mode, int64_t dq_accum_row_offset,
-                                BwdParams* p, bool uses_dq_accum = true) {
+                                int64_t dkv_mode, BwdParams* p, bool uses_dq_accum = true) {
   if (auto err = FillFwdParams(q, k, v, segments, out, lse, softmax_scale, diag_lo, diag_hi,
                                softcap, p);
       err.failure()) {
@@ -253,8 +253,12 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   if (dq_mode < 0 || dq_mode > 2) {
     return ffi::Error::InvalidArgument("jflash: dq_mode must be 0, 1 or 2");
   }
+  if (dkv_mode < 0 || dkv_mode > 1) {
+    return ffi::Error::InvalidArgument("jflash: dkv_mode must be 0 or 1");
+  }
   const DqMode mode = static_cast<DqMode>(dq_mode);
   const bool adds = mode == DqMode::kAddToAccum;
+  const bool adds_dkv = static_cast<DkvMode>(dkv_mode) == DkvMode::kAddToAccum;
   const int64_t rows = int64_t{p->batch} * p->num_heads * p->seqlen_q;
   if (dout.element_type() != q.element_type() || dq.element_type() != q.element_type() ||
       dk.element_type() != q.element_type() || dv.element_type() != q.element_type()) {
@@ -262,7 +266,8 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   }
   const int64_t dq_count = mode == DqMode::kWrite ? q.element_count() : 0;
   if (dout.element_count() != q.element_count() || dq.element_count() != dq_count ||
-      dk.element_count() != k.element_count() || dv.element_count() != v.element_count()) {
+      dk.element_count() != (adds_dkv ? 0 : k.element_count()) ||
+      dv.element_count() != (adds_dkv ? 0 : v.element_count())) {
     return ffi::Error::InvalidArgument("jflash: gradient shapes must match q, k, v");
   }
   // dq_accum, float32: the CUDA kernels' scratch [batch, num_heads, seqlen_q,
@@ -311,11 +316,32 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
        dq_semaphore.element_count() != dq_semaphore_count(*p))) {
     return ffi::Error::InvalidArgument("jflash: bad dq_semaphore buffer");
   }
-  // dkv_accum: empty, or the float32 dK/dV sums of GQA (params.h).
-  if (dkv_accum.element_type() != ffi::DataType::F32 ||
-      (dkv_accum.element_count() != 0 &&
-       (p->heads_per_kv == 1 || dkv_accum.element_count() != dkv_accum_count(*p)))) {
+  // dkv_accum, float32: with dkv_mode 0 empty or the CUDA kernels' scratch
+  // for GQA [batch, num_heads_kv, 2, seqlen_k, head_dim]; with 1 the caller's
+  // sums [batch, 2, rows, num_heads_kv, head_dim] (rows >= seqlen_k; this
+  // call's keys are the first seqlen_k), aliased to dkv_accum_in.
+  const int64_t kv_row_elems = int64_t{p->num_heads_kv} * p->head_dim;
+  int64_t dkv_rows = p->seqlen_k;
+  if (adds_dkv && p->batch > 0 && kv_row_elems > 0) {
+    if (dkv_accum.element_count() % (2 * p->batch * kv_row_elems) != 0) {
+      return ffi::Error::InvalidArgument("jflash: bad dkv_accum buffer");
+    }
+    dkv_rows = dkv_accum.element_count() / (2 * p->batch * kv_row_elems);
+  }
+  const bool dkv_accum_ok =
+      adds_dkv ? dkv_rows >= p->seqlen_k &&
+                     dkv_accum.element_count() == 2 * p->batch * dkv_rows * kv_row_elems
+               : dkv_accum.element_count() == 0 ||
+                     (p->heads_per_kv > 1 && dkv_accum.element_count() == dkv_accum_count(*p));
+  if (dkv_accum.element_type() != ffi::DataType::F32 || !dkv_accum_ok) {
     return ffi::Error::InvalidArgument("jflash: bad dkv_accum buffer");
+  }
+  if (dkv_accum_in.element_type() != ffi::DataType::F32 ||
+      dkv_accum_in.element_count() != (adds_dkv ? dkv_accum.element_count() : 0) ||
+      (adds_dkv && dkv_accum_in.untyped_data() != dkv_accum.untyped_data() &&
+       dkv_accum.element_count() > 0)) {
+    return ffi::Error::InvalidArgument(
+        "jflash: dkv_mode 1 takes dkv_accum_in (aliased to dkv_accum); dkv_mode 0 does not");
   }
   p->dout = dout.untyped_data();
   p->dlse = static_cast<const float*>(dlse.untyped_data());
@@ -340,9 +366,21 @@ inline ffi::Error FillBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   p->dq_semaphore = uses_dq_accum && dq_semaphore.element_count() > 0
                         ? static_cast<int*>(dq_semaphore.untyped_data())
                         : nullptr;
-  p->dkv_accum = uses_dq_accum && dkv_accum.element_count() > 0
+  p->dkv_mode = static_cast<DkvMode>(dkv_mode);
+  p->dkv_accum = (uses_dq_accum || adds_dkv) && dkv_accum.element_count() > 0
                      ? static_cast<float*>(dkv_accum.untyped_data())
                      : nullptr;
+  if (adds_dkv) {
+    p->dkv_accum_head_stride = d;
+    p->dkv_accum_row_stride = kv_row_elems;
+    p->dkv_accum_plane_stride = dkv_rows * kv_row_elems;
+    p->dkv_accum_batch_stride = 2 * dkv_rows * kv_row_elems;
+  } else {
+    p->dkv_accum_row_stride = d;
+    p->dkv_accum_plane_stride = p->seqlen_k * d;
+    p->dkv_accum_head_stride = 2 * p->seqlen_k * d;
+    p->dkv_accum_batch_stride = p->num_heads_kv * 2 * p->seqlen_k * d;
+  }
   p->head_splits = 1;
   p->launch_group = 1;
   p->dout_batch_stride = p->out_batch_stride;

@@ -460,8 +460,8 @@ def sharded_bwd(q, k, v, out, dout, lse, dlse, *, plan, call):
 def _ring_bwd(q, k, v, out, dout, lse, dlse, *, plan, call):
     """The ring's steps add into one float32 dq sum with the delta of the first
     step's call, which covers all the device's rows: no zeroing, conversion or
-    delta per step, and dq is rounded once. dK and dV (float32) travel with
-    their K/V block, and home in the input dtype."""
+    delta per step, and dq is rounded once. The kernels add dK and dV into
+    float32 sums that travel with their K/V block, and home in the input dtype."""
     lq, lk = q.shape[-3], k.shape[-3]
     n = plan.axis_size
     idx = _axis_index(plan)
@@ -471,20 +471,19 @@ def _ring_bwd(q, k, v, out, dout, lse, dlse, *, plan, call):
         return jax.lax.ppermute(x, plan.axis_name, _ring_perm(n))
 
     def first(_, kv):
-        dq, dk, dv, delta = call.start(q, *kv, out, dout, lse, dlse, -lq,
-                                       0 if plan.causal else lk)
-        return dq, dk.astype(_F32), dv.astype(_F32), delta
+        return call.start(q, *kv, out, dout, lse, dlse, -lq, 0 if plan.causal else lk,
+                          call.dkv_zeros(k))
 
     def step(acc, kv, s):
-        dq, dk, dv, delta = acc
-        dk, dv = send((dk, dv))  # the accumulators follow their K/V block
-        return (*_ring_bwd_step(rows, delta, kv, (dq, dk, dv), s, idx, plan, call), delta)
+        dq, dkv, delta = acc
+        dkv = send(dkv)  # the sums follow their K/V block
+        return (*_ring_bwd_step(rows, delta, kv, (dq, dkv), s, idx, plan, call), delta)
 
     def last(acc):
-        dq, dk, dv, _ = acc
+        dq, dkv, _ = acc
         # The sums are complete: rounded before the hop home, which then moves
         # half the bytes and gives the same values.
-        dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
+        dk, dv = call.dkv(dkv, k.dtype)
         return (dq, *send((dk, dv))) if n > 1 else (dq, dk, dv)
 
     dq, dk, dv = _ring_loop(first, step, last, n, None, (k, v), plan)
@@ -496,30 +495,31 @@ def _ring_bwd_step(rows, delta, kv, acc, step, idx, plan, call):
     k, v = kv
     lq, lk = q.shape[-3], k.shape[-3]
 
-    def pair(row_start, row_count, key_start, key_count, diag_hi, acc, k, v):
-        dq, dk, dv = acc
+    def pair(row_start, row_count, key_count, diag_hi, acc, k, v):
+        # The pair's keys are the block's first key_count: the kernel adds
+        # their dK, dV into the first rows of the block's sums.
+        dq, dkv = acc
         sub = [_q_rows(x, row_start, row_count) for x in (q, dout)]
-        kk, vv = _q_rows(k, key_start, key_count), _q_rows(v, key_start, key_count)
-        dq, gk, gv = call.add(dq, row_start, sub[0], kk, vv, sub[1],
-                              _lse_rows(lse, row_start, row_count),
-                              _lse_rows(delta, row_start, row_count), -row_count, diag_hi)
-        return dq, _add_q_rows(dk, gk, key_start), _add_q_rows(dv, gv, key_start)
+        kk, vv = _q_rows(k, 0, key_count), _q_rows(v, 0, key_count)
+        return call.add(dq, row_start, dkv, sub[0], kk, vv, sub[1],
+                        _lse_rows(lse, row_start, row_count),
+                        _lse_rows(delta, row_start, row_count), -row_count, diag_hi)
 
     if not plan.causal:
-        return pair(0, lq, 0, lk, lk, acc, k, v)
+        return pair(0, lq, lk, lk, acc, k, v)
     src = (idx - step) % plan.axis_size
     if plan.layout == "contiguous":
         return jax.lax.cond(
             src < idx,
-            functools.partial(pair, 0, lq, 0, lk, lk),
+            functools.partial(pair, 0, lq, lk, lk),
             lambda acc, k, v: acc,
             acc, k, v,
         )
     c = lq // 2
     return jax.lax.cond(
         src < idx,
-        functools.partial(pair, 0, lq, 0, c, c),  # both q chunks, kv chunk src
-        functools.partial(pair, c, c, 0, lk, lk),  # q chunk 2n-1-idx, both kv chunks
+        functools.partial(pair, 0, lq, c, c),  # both q chunks, kv chunk src
+        functools.partial(pair, c, c, lk, lk),  # q chunk 2n-1-idx, both kv chunks
         acc, k, v,
     )
 

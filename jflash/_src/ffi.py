@@ -18,7 +18,7 @@ import jaxlib
 from jflash._src import masks
 
 FWD_TARGET = "jflash_fwd_v5"
-BWD_TARGET = "jflash_bwd_v7"
+BWD_TARGET = "jflash_bwd_v8"
 # Decode over a KV cache (jflash.flash_attention_with_kvcache): without and
 # with an append (the latter aliases the caches to two of its results).
 DECODE_TARGET = "jflash_decode_v1"

@@ -113,12 +113,17 @@ DQ_WRITE, DQ_RETURN_ACCUM, DQ_ADD_TO_ACCUM = 0, 1, 2
 
 def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, on_cpu,
              deterministic=False, segment_ids=None, softcap=None, tf32_passes=1,
-             dq_mode=DQ_WRITE, dq_accum=None, delta=None, row_offset=0):
+             dq_mode=DQ_WRITE, dq_accum=None, delta=None, row_offset=0, dkv_accum=None):
     """(dq, dk, dv); with DQ_RETURN_ACCUM (dq_accum, dk, dv, delta); with
     DQ_ADD_TO_ACCUM (dq_accum + this call's sum in its rows [row_offset,
     row_offset + seqlen_q), dk, dv), given the dq_accum and delta of a
     DQ_RETURN_ACCUM call over rows that include these; out and dlse are then
-    not read (delta replaces rowsum(dout * out) - dlse)."""
+    not read (delta replaces rowsum(dout * out) - dlse).
+
+    dkv_accum: None, or float32 sums [..., 2, rows, num_heads_kv, head_dim]
+    (dK then dV, rows >= seqlen_k; params.h, DkvMode) that this call's dK and
+    dV are added into, at their first seqlen_k rows: it then stands for dk, dv
+    in the results (one array where there were two)."""
     *lead, seqlen_q, num_heads, head_dim = q.shape
     f32 = jnp.float32
     adds = dq_mode == DQ_ADD_TO_ACCUM
@@ -145,15 +150,28 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
     # kv head's query heads over several CTAs (params.h, dkv_accum); 2 / group
     # of dq_accum's size.
     num_heads_kv, seqlen_k = k.shape[-2], k.shape[-3]
-    dkv_accum_shape = ((*lead, num_heads_kv, 2, seqlen_k, head_dim)
-                       if num_heads != num_heads_kv and not on_cpu else (0,))
+    adds_dkv = dkv_accum is not None
+    if adds_dkv:
+        want = (*k.shape[:-3], 2, None, num_heads_kv, k.shape[-1])
+        if (dkv_accum.dtype != f32 or dkv_accum.ndim != len(want)
+                or any(w is not None and g != w for g, w in zip(dkv_accum.shape, want))
+                or dkv_accum.shape[-3] < seqlen_k):
+            raise ValueError(f"dkv_accum must be float32 [..., 2, rows >= {seqlen_k}, "
+                             f"{num_heads_kv}, {k.shape[-1]}] for k {k.shape}, got "
+                             f"{dkv_accum.dtype} {dkv_accum.shape}")
+        dkv_accum_shape = dkv_accum.shape
+    elif num_heads != num_heads_kv and not on_cpu:
+        dkv_accum_shape = (*lead, num_heads_kv, 2, seqlen_k, head_dim)
+    else:
+        dkv_accum_shape = (0,)
+    aliases = {**({14: 3} if adds else {}), **({15: 6} if adds_dkv else {})}
     empty = jnp.zeros((0,), f32)
     call = jax.ffi.ffi_call(
         _ffi.BWD_TARGET,
         (
             jax.ShapeDtypeStruct(q.shape if dq_mode == DQ_WRITE else (0,), q.dtype),  # dq
-            jax.ShapeDtypeStruct(k.shape, k.dtype),  # dk
-            jax.ShapeDtypeStruct(v.shape, v.dtype),  # dv
+            jax.ShapeDtypeStruct((0,) if adds_dkv else k.shape, k.dtype),  # dk
+            jax.ShapeDtypeStruct((0,) if adds_dkv else v.shape, v.dtype),  # dv
             # Float32 scratch the kernels need; XLA allocates it, so the handlers
             # never call cudaMalloc and stay CUDA-graph safe.
             jax.ShapeDtypeStruct(dq_accum_shape, f32),  # dq_accum
@@ -162,10 +180,11 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
             jax.ShapeDtypeStruct(dkv_accum_shape, f32),  # dkv_accum
         ),
         vmap_method="broadcast_all",
-        # The caller's accumulator is the dq_accum result: added into in place.
-        input_output_aliases={14: 3} if adds else None,
+        # The caller's accumulators are the dq_accum and dkv_accum results:
+        # added into in place.
+        input_output_aliases=aliases or None,
     )
-    dq, dk, dv, dq_accum_out, delta_out, *_ = call(
+    dq, dk, dv, dq_accum_out, delta_out, _, dkv_out = call(
         q,
         k,
         v,
@@ -176,6 +195,7 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
         *_segment_operands(segment_ids),
         delta if adds else empty,  # delta_in
         dq_accum if adds else empty,  # dq_accum_in
+        dkv_accum if adds_dkv else empty,  # dkv_accum_in
         softmax_scale=np.float32(softmax_scale),
         diag_lo=np.int64(diag_lo),
         diag_hi=np.int64(diag_hi),
@@ -183,12 +203,14 @@ def _bwd_ffi(q, k, v, out, dout, lse, dlse, *, softmax_scale, diag_lo, diag_hi, 
         tf32_passes=_tf32_passes_attribute(q.dtype, tf32_passes),
         dq_mode=np.int64(dq_mode),
         dq_accum_row_offset=np.int64(row_offset),
+        dkv_mode=np.int64(1 if adds_dkv else 0),
     )
+    dkv = (dkv_out,) if adds_dkv else (dk, dv)
     if dq_mode == DQ_WRITE:
-        return dq, dk, dv
+        return dq, *dkv
     if dq_mode == DQ_RETURN_ACCUM:
-        return dq_accum_out, dk, dv, delta_out
-    return dq_accum_out, dk, dv
+        return dq_accum_out, *dkv, delta_out
+    return dq_accum_out, *dkv
 
 
 def dq_from_accum(dq_accum, softmax_scale, dtype):
@@ -199,12 +221,16 @@ def dq_from_accum(dq_accum, softmax_scale, dtype):
 class BwdBandCall:
     """The backward kernel on any arrays, its band clamped to their lengths
     (context_parallel.py's chunk pairs). call(q, k, v, out, dout, lse, dlse,
-    diag_lo, diag_hi, segment_ids=None) -> (dq, dk, dv). A ring's steps share
-    one float32 dq sum and one delta instead: start(q, k, v, out, dout, lse,
-    dlse, diag_lo, diag_hi) -> (dq_accum, dk, dv, delta) over all the rows,
-    add(dq_accum, row_offset, q, k, v, dout, lse, delta, diag_lo, diag_hi) ->
-    (dq_accum, dk, dv) for rows [row_offset, row_offset + q rows) of them, and
-    dq(dq_accum, dtype) at the end.
+    diag_lo, diag_hi, segment_ids=None) -> (dq, dk, dv).
+
+    A ring's steps share one float32 dq sum and one delta per query block and
+    one float32 dK, dV sum per K/V block instead, which the kernels add into:
+    start(q, k, v, out, dout, lse, dlse, diag_lo, diag_hi, dkv_accum) ->
+    (dq_accum, dkv_accum, delta) over all the rows, add(dq_accum, row_offset,
+    dkv_accum, q, k, v, dout, lse, delta, diag_lo, diag_hi) -> (dq_accum,
+    dkv_accum) for rows [row_offset, row_offset + q rows) of them, with
+    dkv_accum from dkv_zeros(k) (the call's keys are its first rows), and
+    dq(dq_accum, dtype), dkv(dkv_accum, dtype) -> (dk, dv) at the end.
 
     run(*operands, **kw) is the FFI call (_bwd_ffi without the static
     arguments below); plain, if given, serves __call__ instead (the
@@ -222,21 +248,31 @@ class BwdBandCall:
         return self._run(q, k, v, out, dout, lse, dlse, diag_lo=lo, diag_hi=hi,
                          segment_ids=segment_ids)
 
-    def start(self, q, k, v, out, dout, lse, dlse, diag_lo, diag_hi):
+    def start(self, q, k, v, out, dout, lse, dlse, diag_lo, diag_hi, dkv_accum):
         lo, hi = clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
         return self._run(q, k, v, out, dout, lse, dlse, diag_lo=lo, diag_hi=hi,
-                         dq_mode=DQ_RETURN_ACCUM)
+                         dq_mode=DQ_RETURN_ACCUM, dkv_accum=dkv_accum)
 
-    def add(self, dq_accum, row_offset, q, k, v, dout, lse, delta, diag_lo, diag_hi):
+    def add(self, dq_accum, row_offset, dkv_accum, q, k, v, dout, lse, delta, diag_lo, diag_hi):
         lo, hi = clamp_band(q.shape[-3], k.shape[-3], diag_lo, diag_hi)
         # out and dlse are not read with the caller's delta (_bwd_ffi): dout and
         # delta stand in, so that a ring's sub-calls need no slices of them.
         return self._run(q, k, v, dout, dout, lse, delta, diag_lo=lo, diag_hi=hi,
                          dq_mode=DQ_ADD_TO_ACCUM, dq_accum=dq_accum, delta=delta,
-                         row_offset=row_offset)
+                         row_offset=row_offset, dkv_accum=dkv_accum)
 
     def dq(self, dq_accum, dtype):
         return dq_from_accum(dq_accum, self.softmax_scale, dtype)
+
+    @staticmethod
+    def dkv_zeros(k):
+        """Empty dK, dV sums for the keys of k, [..., 2, seq, heads_kv, head_dim]."""
+        return jnp.zeros((*k.shape[:-3], 2, *k.shape[-3:]), jnp.float32)
+
+    @staticmethod
+    def dkv(dkv_accum, dtype):
+        """(dk, dv) in dtype from dK, dV sums (dK scaled, as the kernels add it)."""
+        return tuple(jnp.take(dkv_accum, i, axis=-4).astype(dtype) for i in (0, 1))
 
 
 def fwd_band_call(softmax_scale, softcap=None, tf32_passes=1):
@@ -267,15 +303,17 @@ def bwd_local_call(softmax_scale, *, plain=None, softcap=None, tf32_passes=1):
     or the CUDA kernel when the program is lowered; plain serves its
     (dq, dk, dv) calls."""
 
-    def run(*operands, dq_accum=None, delta=None, **kw):
-        given = () if dq_accum is None else (dq_accum, delta)
+    def run(*operands, dq_accum=None, delta=None, dkv_accum=None, **kw):
+        # The accumulators and delta travel as operands of the platform switch.
+        names = [n for n, x in (("dq_accum", dq_accum), ("delta", delta),
+                                ("dkv_accum", dkv_accum)) if x is not None]
+        given = tuple(x for x in (dq_accum, delta, dkv_accum) if x is not None)
 
         def on(cpu):
             def branch(*arrays):
-                accum, delta = arrays[len(operands):] or (None, None)
+                extra = dict(zip(names, arrays[len(operands):]))
                 return _bwd_ffi(*arrays[:len(operands)], softmax_scale=softmax_scale, on_cpu=cpu,
-                                softcap=softcap, tf32_passes=tf32_passes, dq_accum=accum,
-                                delta=delta, **kw)
+                                softcap=softcap, tf32_passes=tf32_passes, **extra, **kw)
 
             return branch
 

@@ -155,9 +155,10 @@ __device__ __forceinline__ void stage_dq(typename Traits::SharedStorage& smem, c
 // sector, an address and a bounds branch per pair), the consumers are done
 // after a few shared stores, and the CTA, alone on its SM, ends sooner.
 // (The writer issues the TMA store so that no consumer thread waits for it.)
-// Split GQA groups (head_splits > 1) stage float32 tiles instead, dK over the
-// K and V buffers and dV over the Q and dO ring (also read out by then, and
-// no load is left to come), which the writer adds into dkv_accum.
+// Where the kernel adds into dkv_accum (params.adds_dkv(): split GQA groups,
+// or the caller's sums) it stages float32 tiles instead, dK over the K and V
+// buffers and dV over the Q and dO ring (also read out by then, and no load is
+// left to come), which the writer reduce-adds there.
 // kBarrier: a named barrier of the consumer threads, free at this point.
 template <typename Traits, uint32_t kBarrier, typename AccDK, typename AccDV, typename ThrMmadKV>
 __device__ __forceinline__ void stage_dk_dv(typename Traits::SharedStorage& smem, AccDK& acc_dk,
@@ -169,9 +170,9 @@ __device__ __forceinline__ void stage_dk_dv(typename Traits::SharedStorage& smem
   typename Traits::SmemCopydKV smem_copy;
   auto thr_copy = smem_copy.get_thread_slice(tidx);
   cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBarrier);  // K, V, Q, dO read out
-  if (params.head_splits > 1) {
-    // float32 partial sums (dK unscaled: the convert kernel scales it),
-    // dK over the K and V buffers and dV over the Q and dO ring; a thread's
+  if (params.adds_dkv()) {
+    // float32 sums (dK scaled, as dk), dK over the K and V buffers and dV
+    // over the Q and dO ring; a thread's
     // accumulator pairs are adjacent columns, 8 bytes in these layouts.
     // Addresses: four bases plus immediates per thread (the traits'
     // dkv_accum_base and dkv_accum_offset say why). (One address per pair,
@@ -187,13 +188,14 @@ __device__ __forceinline__ void stage_dk_dv(typename Traits::SharedStorage& smem
     for (int c = 0; c < 4; ++c) k_addr[c] = cast_smem_ptr_to_uint(&sdK(row0, col0 + 8 * c));
     const uint32_t v_minus_k = cast_smem_ptr_to_uint(smem.q.begin()) -
                                cast_smem_ptr_to_uint(smem.k.begin());
+    const float scale = params.softmax_scale;
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dk); i += 2) {
       const int dr = get<0>(cdKV(i)) - row0, dc = get<1>(cdKV(i)) - col0;
       const int c = Traits::dkv_accum_base(dc);
       const uint32_t offset = Traits::dkv_accum_offset(dr, dc) * sizeof(float);
       asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(k_addr[c] + offset),
-                   "f"(acc_dk(i)), "f"(acc_dk(i + 1))
+                   "f"(scale * acc_dk(i)), "f"(scale * acc_dk(i + 1))
                    : "memory");
       asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(k_addr[c] + v_minus_k + offset),
                    "f"(acc_dv(i)), "f"(acc_dv(i + 1))
@@ -219,7 +221,7 @@ __device__ __forceinline__ void store_dk_dv_tma(const BwdArgsSm90<Traits>& args,
                                                 int n_block, int kv_head, int batch) {
   const BwdParams& params = args.params;
   EmptyBarrier::wait(&smem.dkv_full, 0);
-  if (params.head_splits > 1) {
+  if (params.adds_dkv()) {
     Tensor sdK = make_tensor(make_smem_ptr(reinterpret_cast<float*>(smem.k.begin())),
                              typename Traits::SmemLayoutdKVAccum{});
     Tensor sdV = make_tensor(make_smem_ptr(reinterpret_cast<float*>(smem.q.begin())),
@@ -246,8 +248,9 @@ __device__ __forceinline__ void store_dk_dv_tma(const BwdArgsSm90<Traits>& args,
 
 // dK and dV of the key block from key0, written once (stage_dk_dv, then the
 // writer's store_dk_dv_tma; with Traits::kDkvThroughSmem false, each thread's
-// stores), or added to the other shares' (params.head_splits > 1: in
-// float32, converted after the kernel).
+// stores), or added in float32 into dkv_accum (params.adds_dkv(): to the
+// other shares' of a split group, converted after the kernel, or to the
+// caller's sums).
 template <typename Traits, uint32_t kBarrier, typename AccDK, typename AccDV, typename ThrMmadKV>
 __device__ __forceinline__ void write_dk_dv(typename Traits::SharedStorage& smem, AccDK& acc_dk,
                                             AccDV& acc_dv, const ThrMmadKV& thr_dkv, int tidx,
@@ -262,7 +265,7 @@ __device__ __forceinline__ void write_dk_dv(typename Traits::SharedStorage& smem
   };
   if constexpr (Traits::kDkvThroughSmem) {
     stage_dk_dv<Traits, kBarrier>(smem, acc_dk, acc_dv, thr_dkv, tidx, params);
-  } else if (params.head_splits > 1) {
+  } else if (params.adds_dkv()) {
     add_dk_dv(acc_dk, acc_dv, dkv_coords(), key0, batch, kv_head, params);
   } else {
     store_dk_dv<typename Traits::Element>(acc_dk, acc_dv, dkv_coords(), key0, batch, kv_head,

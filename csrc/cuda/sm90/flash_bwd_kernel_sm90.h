@@ -207,17 +207,18 @@ cudaError_t launch_flash_bwd_sm90(const BwdParams& call_params, const LaunchCont
                     make_stride(row, _1{}, head, batch)),
         smem_layout, tile);
   };
-  // dkv_accum is [batch, heads_kv, 2, seqlen_k, head_dim], dense; plane 0
-  // dK, 1 dV. Without it (no split) the descriptors, never used, are built
-  // over dq_accum so that their address is a valid one.
+  // dkv_accum at its strides (params.h, DkvMode); plane 0 dK, 1 dV. Without
+  // it the descriptors, never used, are built over dq_accum so that their
+  // address is a valid one.
   auto accum = [&](int plane) {
-    const int64_t plane_size = int64_t{params.seqlen_k} * params.head_dim;
-    float* base = params.dkv_accum != nullptr ? params.dkv_accum + plane * plane_size
-                                              : params.dq_accum;
+    float* base = params.dkv_accum != nullptr
+                      ? params.dkv_accum + plane * params.dkv_accum_plane_stride
+                      : params.dq_accum;
     return make_tma_atom(SM90_TMA_REDUCE_ADD{},
                          make_tensor(make_gmem_ptr(base), Traits::shape_k(params),
-                                     make_stride(int64_t{params.head_dim}, _1{}, 2 * plane_size,
-                                                 2 * plane_size * params.num_heads_kv)),
+                                     make_stride(params.dkv_accum_row_stride, _1{},
+                                                 params.dkv_accum_head_stride,
+                                                 params.dkv_accum_batch_stride)),
                          typename Traits::SmemLayoutdKVAccum{},
                          Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{});
   };

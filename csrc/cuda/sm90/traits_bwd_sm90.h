@@ -300,9 +300,10 @@ struct BwdTraitsSm90 {
       SM90_TMA_STORE{},
       make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{}, GmemStride{}),
       SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  // Split GQA groups (head_splits > 1) add float32 dK and dV into dkv_accum
-  // instead: dK's tile staged over the K and V buffers, dV's over the Q and
-  // dO ring, each added by one TMA reduce-add.
+  // Where the kernel adds float32 dK and dV into dkv_accum instead
+  // (BwdParams::adds_dkv: split GQA groups, the caller's sums): dK's tile
+  // staged over the K and V buffers, dV's over the Q and dO ring, each added
+  // by one TMA reduce-add.
   using SmemLayoutdKVAccum = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{},
                                                     Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   static_assert(cosize_v<SmemLayoutdKVAccum> * sizeof(float) <=
@@ -414,7 +415,7 @@ struct BwdArgsSm90 {
   typename Traits::TmadQ tma_dq;  // reduce-add into dq_accum, [seqlen_q, head_dim, heads, batch]
   typename Traits::TmaStoreK tma_dk;  // stores into dk and dv, [seqlen_k, head_dim, heads_kv, batch]
   typename Traits::TmaStoreK tma_dv;
-  // reduce-adds into dkv_accum's dK and dV planes (head_splits > 1)
+  // reduce-adds into dkv_accum's dK and dV planes (BwdParams::adds_dkv)
   typename Traits::TmadKVAccum tma_dk_accum;
   typename Traits::TmadKVAccum tma_dv_accum;
 };

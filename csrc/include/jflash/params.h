@@ -13,7 +13,9 @@
 //   dq_semaphore     : [batch, num_heads, dq_semaphore_slots(seqlen_q)] (int32
 //                      scratch, deterministic mode only)
 //   dkv_accum        : [batch, num_heads_kv, 2, seqlen_k, head_dim] (float32
-//                      scratch, GQA only: dK then dV of each kv head)
+//                      scratch, GQA only: dK then dV of each kv head), or the
+//                      caller's [batch, 2, rows, num_heads_kv, head_dim]
+//                      (BwdParams::dkv_mode)
 //
 // Strides are in elements (not bytes) and int64 so that batch * seq * heads *
 // head_dim never overflows; the last (head_dim) stride is always 1.
@@ -91,6 +93,7 @@ constexpr int64_t dq_semaphore_slots(int64_t seqlen_q) {
 }
 
 enum class DqMode : int { kWrite = 0, kReturnAccum = 1, kAddToAccum = 2 };
+enum class DkvMode : int { kWrite = 0, kAddToAccum = 1 };
 
 struct BwdParams : FwdParams {
   const void* dout;
@@ -110,11 +113,13 @@ struct BwdParams : FwdParams {
   // so that dq is bit-identical from run to run. Null: additions in any order
   // (faster). The CPU kernels are deterministic either way and ignore it.
   int* dq_semaphore;
-  // GQA (heads_per_kv > 1; null otherwise, and on CPU): float32 dK and dV sums
-  // of each kv head, [batch, num_heads_kv, 2, seqlen_k, head_dim]. With it a
-  // CUDA launcher may split a kv head's query heads over head_splits CTAs per
-  // key block, which add their partial dK, dV here, where one CTA per key block
-  // would leave SMs idle or run a long causal key block alone at the end.
+  // float32 dK and dV sums (dK with softmax_scale, as dk), at the dkv_accum_*
+  // strides below. DkvMode::kWrite: the CUDA kernels' scratch for GQA
+  // (heads_per_kv > 1; null otherwise, and on CPU), [batch, num_heads_kv, 2,
+  // seqlen_k, head_dim]: with it a CUDA launcher may split a kv head's query
+  // heads over head_splits CTAs per key block, which add their partial dK, dV
+  // here, where one CTA per key block would leave SMs idle or run a long
+  // causal key block alone at the end. DkvMode::kAddToAccum: the caller's.
   float* dkv_accum;
   // Set by the launcher (1 from the FFI layer): CTAs per (key block, kv head),
   // each taking heads_per_kv / head_splits query heads. > 1 only with
@@ -145,6 +150,24 @@ struct BwdParams : FwdParams {
   // scaled and rounded, not transposed too (with kAddToAccum, rows may exceed
   // seqlen_q and dq_accum points at this call's first row).
   int64_t dq_accum_batch_stride = 0, dq_accum_row_stride = 0, dq_accum_head_stride = 0;
+
+  // Where dK and dV go (DkvMode). kWrite: dk and dv in the input dtype
+  // (through dkv_accum where the launcher splits GQA groups). kAddToAccum:
+  // dkv_accum is the caller's running sums, [batch, 2, rows, num_heads_kv,
+  // head_dim] (dK then dV, each in k's layout; this call's keys are its first
+  // seqlen_k rows), which the kernels add into; dk and dv are not written.
+  // The steps of a context-parallel ring add into the sums that travel with
+  // their K/V block instead of writing, converting and adding per step.
+  DkvMode dkv_mode = DkvMode::kWrite;
+  // dkv_accum's strides in elements (head_dim stride 1); plane: dK to dV.
+  int64_t dkv_accum_batch_stride = 0, dkv_accum_plane_stride = 0, dkv_accum_row_stride = 0,
+          dkv_accum_head_stride = 0;
+
+  // The kernels add float32 dK, dV into dkv_accum (a split group's partial
+  // sums, or the caller's running ones) instead of writing dk, dv.
+  constexpr bool adds_dkv() const {
+    return head_splits > 1 || dkv_mode == DkvMode::kAddToAccum;
+  }
 };
 
 // Length of dq_semaphore in deterministic mode (the handler checks it, the
@@ -153,7 +176,7 @@ constexpr int64_t dq_semaphore_count(const BwdParams& p) {
   return int64_t{p.batch} * p.num_heads * dq_semaphore_slots(p.seqlen_q);
 }
 
-// Length of dkv_accum where it is used (GQA on CUDA).
+// Length of dkv_accum as the CUDA kernels' scratch (GQA, DkvMode::kWrite).
 constexpr int64_t dkv_accum_count(const BwdParams& p) {
   return int64_t{p.batch} * p.num_heads_kv * 2 * p.seqlen_k * p.head_dim;
 }
