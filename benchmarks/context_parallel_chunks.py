@@ -8,7 +8,11 @@ The ratio to one flash_attention call on the whole sequence is the kernels'
 efficiency at chunk size (what shorter calls and the merges cost), the ceiling
 of a ring whose transfers are hidden.
 
-The chunks take their inputs and give their outputs in the layout the ring's
+What a ring device does, and only that, is charged. Each step's running sums
+(the forward's float32 output and lse, a K/V block's dK and dV) are
+materialized, as the ring's loop carries them from step to step (otherwise
+XLA fuses a device's merges into a few passes after all its calls). The
+chunks take their inputs and give their outputs in the layout the ring's
 devices hold (zigzag for causal calls: README, "Context parallelism"): a model
 permutes its tokens into that layout once per batch, not per attention call,
 so the permutation is made once before the timed loop. The one call on the
