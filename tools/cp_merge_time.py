@@ -3,6 +3,8 @@ timed alone, at the shapes of benchmarks/context_parallel_chunks.py's default
 64k grid (8 chunks: blocks of 8192 rows, 16 heads, head dim 128, float32 sum,
 bfloat16 part), for all the block's rows and for its later half (the zigzag
 steps whose source follows the device), in a jitted loop of dependent merges.
+The later half is timed twice: updated in place in the block's array (the
+ring's layout) and as an array of its own (a half's rows kept apart).
 
   python3 -P tools/cp_merge_time.py [--block 8192] [--heads 16] [--chunks 8]
 """
@@ -21,6 +23,7 @@ from jflash._src import context_parallel as cp  # noqa: E402
 
 
 def time_merge(rows, block, heads, head_dim, iters=100):
+    """Seconds per merge of `rows` rows into the last rows of a `block`-row sum."""
     f32 = jnp.float32
     keys = jax.random.split(jax.random.key(0), 4)
     out = jax.random.normal(keys[0], (1, block, heads, head_dim), f32)
@@ -53,9 +56,11 @@ def main():
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
     full = time_merge(args.block, args.block, args.heads, args.head_dim)
     half = time_merge(args.block // 2, args.block, args.heads, args.head_dim)
-    for rows, s in ((args.block, full), (args.block // 2, half)):
+    apart = time_merge(args.block // 2, args.block // 2, args.heads, args.head_dim)
+    for rows, into, s in ((args.block, args.block, full), (args.block // 2, args.block, half),
+                          (args.block // 2, args.block // 2, apart)):
         mb = rows * args.heads * args.head_dim * (4 + 2 + 4) / 1e6  # sum in and out, part
-        print(f"merge of {rows} rows into {args.block}: {s * 1e6:.1f} us ({mb:.0f} MB, {mb / s / 1e3:.0f} GB/s)")
+        print(f"merge of {rows} rows into {into}: {s * 1e6:.1f} us ({mb:.0f} MB, {mb / s / 1e3:.0f} GB/s)")
     # After step 0 every device merges n - 1 parts; in the zigzag layout device
     # i's first i are all rows, the rest the later half.
     pairs = n * (n - 1) // 2
