@@ -44,16 +44,18 @@ import common  # noqa: E402
 
 def ring_pairs(n, causal, block, idx, step):
     """The chunk pairs device idx computes at ring step `step` (zigzag layout):
-    [(first q row, q rows, first key, keys, diag_hi)] within its q block and the
-    K/V block of device (idx - step) % n; as context_parallel.py's ring."""
+    [(first q row, q rows, keys, diag_hi)] within its q block and the K/V block
+    of device (idx - step) % n, the keys always the block's first ones (the
+    kernels add their dK, dV at the sums' first rows); as context_parallel.py's
+    ring."""
     if not causal:
-        return [(0, block, 0, block, block)]
+        return [(0, block, block, block)]
     if step == 0:
-        return [(0, block, 0, block, 0)]
+        return [(0, block, block, 0)]
     half = block // 2
     if (idx - step) % n < idx:
-        return [(0, block, 0, half, half)]
-    return [(half, half, 0, block, block)]
+        return [(0, block, half, half)]
+    return [(half, half, block, block)]
 
 
 def chunked_attention(n, causal):
@@ -90,9 +92,9 @@ def chunked_attention(n, causal):
             out = lse = None
             for step in range(n):
                 src = (idx - step) % n
-                for r0, rn, k0, kn, hi in ring_pairs(n, causal, block, idx, step):
-                    part = fwd_call(qs[idx][:, r0:r0 + rn], ks[src][:, k0:k0 + kn],
-                                    vs[src][:, k0:k0 + kn], -rn, hi)
+                for r0, rn, kn, hi in ring_pairs(n, causal, block, idx, step):
+                    part = fwd_call(qs[idx][:, r0:r0 + rn], ks[src][:, :kn], vs[src][:, :kn],
+                                    -rn, hi)
                     if out is None:  # step 0, all rows: as the ring, no merge
                         out, lse = part[0].astype(f32), part[1]
                         continue
@@ -119,7 +121,7 @@ def chunked_attention(n, causal):
         lses = [lse[..., i * block:(i + 1) * block] for i in range(n)]
         dq = [None] * n
         # As the ring: one float32 dK, dV sum per K/V block, which the kernels
-        # add into (the calls' keys are a prefix of the block's).
+        # add into.
         dkv = [bwd_call.dkv_zeros(x) for x in ks]
         for idx in range(n):
             # As the ring: the first step's call (all of the block's rows)
@@ -129,8 +131,7 @@ def chunked_attention(n, causal):
             delta = None
             for step in range(n):
                 src = (idx - step) % n
-                for r0, rn, k0, kn, hi in ring_pairs(n, causal, block, idx, step):
-                    assert k0 == 0
+                for r0, rn, kn, hi in ring_pairs(n, causal, block, idx, step):
                     rows = slice(r0, r0 + rn)
                     q_rows, k_keys, v_keys = qs[idx][:, rows], ks[src][:, :kn], vs[src][:, :kn]
                     if delta is None:
