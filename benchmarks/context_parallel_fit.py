@@ -1,12 +1,13 @@
 """A sequence too long for one GPU, run context-parallel on n.
 
 One forward+backward step (common.make_loop's body: flash_attention, its vjp,
-the next q from the normalised dq) is compiled twice for the same shapes:
+the next q from the normalised dq) is compiled for the same shapes twice:
 for one device that holds the whole sequence, and for the sequence sharded
 over n devices in the balanced (zigzag) layout on the ring. XLA's static
 buffer sizes of both are compared with the device's memory limit; then the
-sharded step runs (its second call timed), and with --one-device the
-one-device step is tried, which should fail to allocate. The one-device try
+sharded step's executable runs (its second call timed), and with
+--one-device the one-device step's is tried, which should fail to
+allocate. The one-device try
 gets a process of its own: after its failed allocation, the ring's large
 buffers could not be placed in the same process.
 
@@ -98,12 +99,19 @@ def main(argv=None):
         stack.enter_context(jflash.sequence_layout("zigzag", n))
         return stack
 
-    def compiled_bytes(sharding, ctx=None):
+    def compile_step(sharding, ctx=None):
+        """The step's executable for these shardings, and its static buffer sizes.
+
+        The executable is what runs below: called through `loop`, the step
+        would be compiled a second time."""
         specs = [jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for s in shapes]
+        t0 = time.perf_counter()
         with ctx or contextlib.nullcontext():
-            m = common.memory_stats(loop.lower(*specs).compile())
-        return dict(m, total=(m["argument_size_in_bytes"] + m["output_size_in_bytes"]
-                              + m["temp_size_in_bytes"] - m["alias_size_in_bytes"]))
+            step = loop.lower(*specs).compile()
+        m = common.memory_stats(step)
+        return step, dict(m, total=(m["argument_size_in_bytes"] + m["output_size_in_bytes"]
+                                    + m["temp_size_in_bytes"] - m["alias_size_in_bytes"]),
+                          compile_s=time.perf_counter() - t0)
 
     def draw(sharding, seed):
         def make(key):
@@ -115,26 +123,25 @@ def main(argv=None):
 
     gb = lambda b: f"{b / 1e9:.1f} GB" if b is not None else "-"  # noqa: E731
     if args.one_device:
-        payload["one_device_bytes"] = compiled_bytes(one)
+        step, payload["one_device_bytes"] = compile_step(one)
         try:
-            jax.block_until_ready(loop(*draw(one, seed=1)))
+            jax.block_until_ready(step(*draw(one, seed=1)))
             payload["one_device"] = "ran"
         except Exception as exc:  # the expected outcome: recorded
             payload["one_device"] = f"{type(exc).__name__}: {exc}"[:600]
         print(f"one device: static buffers {gb(payload['one_device_bytes']['total'])} "
               f"(limit {gb(limit)}): {payload['one_device'][:200]}")
     else:
-        payload["one_device_bytes"] = compiled_bytes(one)
-        payload["ring_bytes_per_device"] = compiled_bytes(sharded, ring())
+        payload["one_device_bytes"] = compile_step(one)[1]
+        step, payload["ring_bytes_per_device"] = compile_step(sharded, ring())
         print(f"static buffers: one device {gb(payload['one_device_bytes']['total'])}, "
               f"ring {gb(payload['ring_bytes_per_device']['total'])} per device (limit {gb(limit)})")
         arrays = draw(sharded, seed=2)
-        with ring():
-            t0 = time.perf_counter()
-            jax.block_until_ready(loop(*arrays))
-            t1 = time.perf_counter()
-            final = jax.block_until_ready(loop(*arrays))
-            t2 = time.perf_counter()
+        t0 = time.perf_counter()
+        jax.block_until_ready(step(*arrays))
+        t1 = time.perf_counter()
+        final = jax.block_until_ready(step(*arrays))
+        t2 = time.perf_counter()
         flops = common.attention_flops(args.batch, args.seq, args.seq, args.heads, args.head_dim,
                                        causal=True, mode="fwdbwd")
         payload.update(ring_first_call_s=t1 - t0, ring_s=t2 - t1,
