@@ -7,9 +7,9 @@ over n devices in the balanced (zigzag) layout on the ring. XLA's static
 buffer sizes of both are compared with the device's memory limit; then the
 sharded step's executable runs (its second call timed), and with
 --one-device the one-device step's is tried, which should fail to
-allocate. The one-device try
-gets a process of its own: after its failed allocation, the ring's large
-buffers could not be placed in the same process.
+allocate. The one-device try gets a process of its own: after its failed
+allocation, the ring's large buffers could not be placed in the same
+process.
 
 Default: batch 4, 64 query heads over 8 kv heads, head dim 128, bfloat16,
 causal, seq 327680, n = 2 (the first --devices of jax.devices()).
