@@ -54,13 +54,14 @@ def main():
     args = p.parse_args()
     n = args.chunks
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
-    full = time_merge(args.block, args.block, args.heads, args.head_dim)
-    half = time_merge(args.block // 2, args.block, args.heads, args.head_dim)
-    apart = time_merge(args.block // 2, args.block // 2, args.heads, args.head_dim)
-    for rows, into, s in ((args.block, args.block, full), (args.block // 2, args.block, half),
-                          (args.block // 2, args.block // 2, apart)):
+    b = args.block
+    times = {}
+    # All rows; the later half in place in the block's array, and apart.
+    for rows, into in ((b, b), (b // 2, b), (b // 2, b // 2)):
+        s = times[rows, into] = time_merge(rows, into, args.heads, args.head_dim)
         mb = rows * args.heads * args.head_dim * (4 + 2 + 4) / 1e6  # sum in and out, part
         print(f"merge of {rows} rows into {into}: {s * 1e6:.1f} us ({mb:.0f} MB, {mb / s / 1e3:.0f} GB/s)")
+    full, half = times[b, b], times[b // 2, b]
     # After step 0 every device merges n - 1 parts; in the zigzag layout device
     # i's first i are all rows, the rest the later half.
     pairs = n * (n - 1) // 2
