@@ -53,6 +53,15 @@ DECODE_SERIES = (  # (impl, layout, colour, line style)
 )
 
 
+def _args(payload):
+    """The run's arguments: the file's own, or a merged file's first part's
+    (benchmarks/merge_results.py keeps each part's under "parts")."""
+    if "args" in payload:
+        return payload["args"]
+    parts = payload.get("parts") or [{}]
+    return parts[0].get("args", {})
+
+
 def _cache_label(n):
     return f"{n // 1024}k" if n >= 1024 else str(n)
 
@@ -92,7 +101,7 @@ def plot_decode(payload, out):
         right.set_ylabel("of copy" if ax is axes[0][-1] else "")
     axes[0][0].set_ylabel("achieved GB/s (K, V read + out written)")
     axes[0][0].legend(fontsize=7, loc="lower right")
-    args = payload.get("args", {})
+    args = _args(payload)
     failed = sum(1 for r in records if r.get("status") != "ok")
     fig.suptitle(
         f"decode: {env.get('device_kind', '?')}, {args.get('dtype', '')}, head dim "
@@ -148,7 +157,7 @@ def plot(path, out=None):
                 ax.legend(fontsize=7)
     failed = sum(1 for r in records if r.get("status", "ok") != "ok" or "error" in r)
     fig.suptitle(
-        f"{env.get('device_kind', '?')}, {payload.get('args', {}).get('dtype', '')}, "
+        f"{env.get('device_kind', '?')}, {_args(payload).get('dtype', '')}, "
         f"jax {env.get('jax_version', '?')}, jflash {str(env.get('jflash_commit', '?'))[:10]}, "
         f"{env.get('date_utc', '')}\n{unit}: fwd 4*B*H*S^2*D (causal /2), fwd+bwd 3.5x fwd"
         + (f"; {failed} impl/rows did not run (see JSON)" if failed else ""),
