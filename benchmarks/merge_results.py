@@ -2,7 +2,11 @@
 
 Where GPU time comes in limited slices, the grid is run in parts; plot.py and
 the README table read one file. Each part's environment and arguments are kept
-under "parts" (device, jax version, commit per part); records are concatenated.
+under "parts" (device, jax version, commit per part); records are concatenated,
+except that a part's record replaces an earlier part's of the same
+configuration (CONFIG_FIELDS), unless it did not run where the earlier one
+did: a part that re-runs rows an earlier part left unrun (its time budget) or
+ran alone supersedes them, so that every jflash/peer pair comes from one run.
 
   python3 -P benchmarks/merge_results.py OUT.json PART.json [PART.json ...]
 """
@@ -12,6 +16,33 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+
+
+# What makes two records the same row of the grid (gpu_benchmark.py's fields).
+CONFIG_FIELDS = ("impl", "head_dim", "value_head_dim", "seq", "batch", "heads", "kv_heads",
+                 "causal", "mode", "dtype", "data", "feed")
+
+
+def _config(record, args):
+    # Rows that did not run, and the derived backward rows, carry no "feed":
+    # theirs is the run's.
+    return tuple(record.get(field, args.get(field)) for field in CONFIG_FIELDS)
+
+
+def merge_records(parts):
+    """The parts' records in order, a later part's replacing an earlier one's
+    of the same configuration unless the later did not run and the earlier did.
+    parts: (records, args) of each part."""
+    merged = {}
+    for records, args in parts:
+        for record in records:
+            key = _config(record, args)
+            earlier = merged.get(key)
+            if earlier is not None and earlier.get("status") == "ok" and record.get("status") != "ok":
+                continue
+            merged.pop(key, None)  # a replaced row moves to its new part's place
+            merged[key] = record
+    return list(merged.values())
 
 
 def merge(paths):
@@ -24,7 +55,7 @@ def merge(paths):
         {"file": pathlib.Path(path).name, "environment": p["environment"], "args": p["args"]}
         for path, p in zip(paths, parts)
     ]
-    merged["records"] = [r for p in parts for r in p["records"]]
+    merged["records"] = merge_records([(p["records"], p["args"]) for p in parts])
     return merged
 
 

@@ -387,3 +387,33 @@ def test_decode_benchmark(tmp_path):
         assert r["bandwidth_gbs"] > 0
         if r["layout"] == "contiguous":  # checked against the reference there
             assert r["rel_err"] < 2e-2, r
+
+
+def test_merge_results_later_parts_replace_rows():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import merge_results
+    finally:
+        sys.path.pop(0)
+
+    def row(impl, seq, mode, status="ok", tflops=1.0, feed="sliver"):
+        record = {"impl": impl, "head_dim": 64, "value_head_dim": 64, "seq": seq, "batch": 1,
+                  "heads": 2, "kv_heads": 2, "causal": True, "mode": mode, "dtype": "bfloat16",
+                  "data": "normal", "status": status, "tflops": tflops}
+        if feed is not None and status == "ok" and mode != "bwd":
+            record["feed"] = feed
+        return record
+
+    args = {"feed": "sliver"}
+    first = [row("jflash", 1024, "fwd", tflops=1.0), row("cudnn", 1024, "fwd", tflops=2.0),
+             row("jflash", 4096, "fwd", tflops=3.0), row("cudnn", 4096, "fwd", "not run"),
+             row("jflash", 4096, "bwd", "not run")]
+    # The second part re-runs seq 4096 whole, and its cuDNN seq 1024 row did not run.
+    second = [row("jflash", 4096, "fwd", tflops=4.0), row("cudnn", 4096, "fwd", tflops=5.0),
+              row("jflash", 4096, "bwd", tflops=6.0), row("cudnn", 1024, "fwd", "not run")]
+    merged = merge_results.merge_records([(first, args), (second, args)])
+    got = {(r["impl"], r["seq"], r["mode"]): (r["status"], r.get("tflops")) for r in merged}
+    assert len(merged) == 5
+    assert got == {("jflash", 1024, "fwd"): ("ok", 1.0), ("cudnn", 1024, "fwd"): ("ok", 2.0),
+                   ("jflash", 4096, "fwd"): ("ok", 4.0), ("cudnn", 4096, "fwd"): ("ok", 5.0),
+                   ("jflash", 4096, "bwd"): ("ok", 6.0)}
