@@ -137,7 +137,10 @@ def main(argv=None):
     parser.add_argument("--kernel", default="flash_bwd_sm90_kernel")
     args = parser.parse_args(argv)
     for path in args.files:
-        name, body = function_body(read_sass(path), args.kernel)
+        try:
+            name, body = function_body(read_sass(path), args.kernel)
+        except ValueError as e:
+            parser.error(f"{path}: {e}")
         print(f"{path}: {len(body)} instructions ({name[:80]})")
         for n, c in enumerate(step_copies(body)):
             print(f"  copy {n}: S^T wait {c.wait_s}, dP^T wait {c.wait_dp}, dK issue {c.dk_issue}; "
