@@ -1,8 +1,7 @@
 """The Hopper backward's step loop as its SASS lays it out, without a GPU.
 
-For each consumer step copy in a kernel (a copy starts at an HGMMA group that
-zero-initializes its accumulator after the previous copy's dK product):
-where the waits for S^T and dP^T sit, where the dK product's first HGMMA is
+For each copy of the consumer's step in a kernel (step_copies says how a copy
+is found): where the waits for S^T and dP^T sit, where the dK product's first HGMMA is
 issued, how many instructions lie between the wait for S^T and that issue on
 the path that skips every forward branch's span (the late mask's block, on a
 step the band does not cut), the MUFU.EX2 placed before and after the wait for
@@ -84,6 +83,8 @@ def step_copies(body):
     hgmma = [i for i, op in enumerate(ops) if op.startswith("HGMMA")]
     waits = [i for i, op in enumerate(ops) if op == "WARPGROUP.DEPBAR.LE"]
     zero = [i for i in hgmma if ", RZ" in body[i][1]]
+    zero_set = set(zero)
+    mufu = [j for j, op in enumerate(ops) if op.startswith("MUFU.EX2")]
 
     def branch_target(j):
         return index_of.get(int(body[j][1].split()[-1], 16))
@@ -106,7 +107,7 @@ def step_copies(body):
             break
         wait_s, wait_dp = after[0], after[1]
         # The dK product: the first accumulating HGMMA after the dP^T wait.
-        dk = next((h for h in hgmma if h > wait_dp and ", RZ" not in body[h][1]), None)
+        dk = next((h for h in hgmma if h > wait_dp and h not in zero_set), None)
         if dk is None:
             break
         if n + 1 < len(starts):
@@ -120,7 +121,6 @@ def step_copies(body):
             t = branch_target(j) if ops[j] == "BRA" else None
             if t is not None and t > j:
                 skipped += min(t, dk) - j - 1
-        mufu = [j for j, op in enumerate(ops) if op.startswith("MUFU.EX2")]
         copies.append(StepCopy(
             first_hgmma=first, wait_s=wait_s, wait_dp=wait_dp, dk_issue=dk,
             path=dk - wait_s - skipped,
