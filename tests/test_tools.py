@@ -49,3 +49,16 @@ def test_sass_step_path_counts_one_step():
     assert copy.path == 5
     assert (copy.mufu_before_dp_wait, copy.mufu_after_dp_wait) == (1, 1)
     assert (copy.local_loads, copy.local_stores) == (0, 1)
+
+
+def test_sass_step_path_skips_nested_blocks_once():
+    """A forward branch inside a skipped block is skipped with it, not again
+    (the segment-id kernels nest them: counted twice, the path came out
+    negative)."""
+    tool = _load("sass_step_path")
+    nested = _SASS.replace(
+        "        /*0080*/                   FMUL R7, R7, R8 ;\n",
+        "        /*0080*/              @P1 BRA 0xa0 ;\n")
+    _, body = tool.function_body(nested, "flash_bwd_sm90_kernel")
+    (copy,) = tool.step_copies(body)
+    assert copy.path == 5

@@ -116,14 +116,16 @@ def step_copies(body):
             back_edges = (j + 1 for j in range(dk, len(body)) if ops[j] == "BRA"
                           and branch_target(j) is not None and branch_target(j) <= first)
             end = next(back_edges, len(body))
-        skipped = 0
-        for j in range(wait_s + 1, dk):
+        # Walk from the wait to the issue taking every forward branch (nested
+        # ones inside a skipped span are skipped with it).
+        path, j = 0, wait_s
+        while j < dk:
+            path += 1
             t = branch_target(j) if ops[j] == "BRA" else None
-            if t is not None and t > j:
-                skipped += min(t, dk) - j - 1
+            j = min(t, dk) if t is not None and t > j else j + 1
         copies.append(StepCopy(
             first_hgmma=first, wait_s=wait_s, wait_dp=wait_dp, dk_issue=dk,
-            path=dk - wait_s - skipped,
+            path=path,
             mufu_before_dp_wait=sum(wait_s < j < wait_dp for j in mufu),
             mufu_after_dp_wait=sum(wait_dp < j < dk for j in mufu),
             local_loads=sum(ops[j].startswith("LDL") for j in range(first, end)),
