@@ -62,3 +62,22 @@ def test_sass_step_path_skips_nested_blocks_once():
     _, body = tool.function_body(nested, "flash_bwd_sm90_kernel")
     (copy,) = tool.step_copies(body)
     assert copy.path == 5
+
+
+def test_kernel_variants_apply_to_the_tree():
+    """Each patch in tools/variants/ (tools/README.md) applies to this tree, so
+    that a variant a design note names can still be timed beside main."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    patches = sorted((_ROOT / "tools" / "variants").glob("*.patch"))
+    if not patches:
+        pytest.skip("no kernel variants waiting")
+    if shutil.which("git") is None or not (_ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    for patch in patches:
+        result = subprocess.run(["git", "apply", "--check", str(patch)], cwd=_ROOT,
+                                capture_output=True, text=True)
+        assert result.returncode == 0, f"{patch.name} no longer applies: {result.stderr}"
