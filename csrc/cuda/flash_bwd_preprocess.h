@@ -254,6 +254,44 @@ struct KeyBlockSteps {
     m_block = m_block_begin + u % num_m_blocks;
   }
 
+  // The same units one step at a time, for loops that walk their steps in
+  // order (StepWalk below): unit() divides by the runtime block count at
+  // every step, about 40 dependent uniform instructions; next() adds and
+  // compares.
+  struct Cursor {
+    int head;
+    int m_block;
+    int head_end;
+  };
+  __device__ __forceinline__ Cursor first() const {
+    if (num_steps == 0) return Cursor{first_head, m_block_begin, first_head};  // no step reads it
+    const int heads = num_steps / num_m_blocks;
+    Cursor c{first_head, m_block_begin + num_m_blocks - 1, first_head + heads};
+    if (!ordered()) {
+      c.head = first_head + step_shift / num_m_blocks;
+      c.m_block = m_block_begin + step_shift % num_m_blocks;
+    }
+    return c;
+  }
+  // The unit after c's: unit(step + 1) for c = unit(step); after the last
+  // step, the first step's unit again.
+  __device__ __forceinline__ Cursor next(Cursor c) const {
+    if (ordered()) {
+      // Query heads inside, query blocks from the last down.
+      const bool wrap = ++c.head == c.head_end;
+      c.head = wrap ? first_head : c.head;
+      c.m_block -= wrap;
+      c.m_block = c.m_block < m_block_begin ? m_block_begin + num_m_blocks - 1 : c.m_block;
+    } else {
+      // Query blocks inside, query heads outside, from step_shift on.
+      const bool wrap = ++c.m_block == m_block_begin + num_m_blocks;
+      c.m_block = wrap ? m_block_begin : c.m_block;
+      c.head += wrap;
+      c.head = c.head == c.head_end ? first_head : c.head;
+    }
+    return c;
+  }
+
   // The first key block that visits query block m_block: the one holding the
   // first key that the block's first row sees (rows see keys from further
   // right as they go down). Every key block from it to one that visits
@@ -266,6 +304,41 @@ struct KeyBlockSteps {
     const int64_t row0 = int64_t{m_block} * kBlockM;
     const auto band = Mask(params.mask, batch).band();
     return static_cast<int>(band.keys_of_rows(row0, row0 + 1, params.seqlen_k).begin / kBlockN);
+  }
+};
+
+// A loop's walk over a CTA's steps, in order: each unit through a
+// KeyBlockSteps::Cursor (kCursor) or unit()'s division at every step. The
+// Hopper backward's tile table says which (Sm90BwdTile::step_cursor): where
+// ptxas placed the division ahead of a step's first product, the cursor
+// measured faster; where it hid it, the cursor's loop-carried state measured
+// slower.
+template <bool kCursor, typename Steps>
+struct StepWalk {
+  const Steps& steps;
+  typename Steps::Cursor cursor;
+  __device__ __forceinline__ explicit StepWalk(const Steps& s)
+      : steps(s), cursor(kCursor ? s.first() : typename Steps::Cursor{}) {}
+  // (query head, query block) of step `step`, which follows the step of the
+  // last call (0 at the first); moves the walk on to step + 1.
+  __device__ __forceinline__ void unit(int step, int& head, int& m_block) {
+    if constexpr (kCursor) {
+      head = cursor.head;
+      m_block = cursor.m_block;
+      cursor = steps.next(cursor);
+    } else {
+      steps.unit(step, head, m_block);
+    }
+  }
+  // The same for the step the walk is at (`step`: one after the last unit()
+  // call's, 0 before it), without moving on.
+  __device__ __forceinline__ void peek(int step, int& head, int& m_block) const {
+    if constexpr (kCursor) {
+      head = cursor.head;
+      m_block = cursor.m_block;
+    } else {
+      steps.unit(step, head, m_block);
+    }
   }
 };
 

@@ -324,6 +324,10 @@ struct Sm90BwdTile {
   // twice the dQ reduce-add traffic. Needs K rows of 128 bytes (head dim 64
   // in 16 bits), so that a consumer's keys are one contiguous K tile.
   bool dq_own_keys = false;
+  // Each loop's (query head, query block) advanced step by step
+  // (StepWalk, flash_bwd_preprocess.h) rather than divided out of the step
+  // index at every step.
+  bool step_cursor = false;
 };
 
 // registers per consumer thread: dK and dV accumulators (above), S^T and dP^T
@@ -374,7 +378,12 @@ constexpr Sm90BwdTile sm90_bwd_tile(int head_dim, MaskKind mask,
     // read there; the producer says which steps need it): segment backward
     // -17% to -21% time (H200). Softcap too, its P^T computed where dS^T is
     // (mainloop_bwd_sm90.h, kCapLate): forward+backward +13% against 64 rows.
-    case 128: return {80, 128, 2, false, 1, true};
+    // The step cursor under a band: ptxas had put the division of the step
+    // index ahead of each step's first product (causal forward+backward
+    // +2.1% to +2.4% at seq 1k-16k, H200; unmasked, whose kernel hides the
+    // division, -1.5% with it: docs/hopper_backward.md, "The step's unit").
+    case 128: return {80, 128, 2, false, 1, true, false,
+                      mask == MaskKind::kBand && score == ScoreKind::kPlain};
     // 225 KB: one Q/dO stage and one dQ buffer are what fit beside 64 keys'
     // K and V and the P^T and dS buffers.
     case 256: return {64, 64, 1, true, 1};

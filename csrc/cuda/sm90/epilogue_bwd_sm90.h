@@ -46,9 +46,10 @@ __device__ __forceinline__ void write_dq(const BwdArgsSm90<Traits>& args,
   const BwdParams& params = args.params;
   Tensor sdQ = make_tensor(make_smem_ptr(smem.dq.begin()), typename Traits::SmemLayoutdQ{});
   Tensor mdQ = args.tma_dq.get_tma_tensor(Traits::shape_q(params));
+  StepWalk<Traits::kStepCursor, Steps> walk(steps);
   for (int step = 0; step < steps.num_steps; ++step) {
     int head, m_block;
-    steps.unit(step, head, m_block);
+    walk.unit(step, head, m_block);
     const RingSlot<Traits::kDqBuffers> slot(step);
     EmptyBarrier::wait(&smem.dq_full[consumer][slot.stage], slot.phase);
     int* semaphore = nullptr;

@@ -62,9 +62,10 @@ __device__ __forceinline__ void load_kv_qdo(const BwdArgsSm90<Traits>& args,
   const int key0 = n_block * kBlockN;
   const Mask mask(params.mask, batch);
 
+  StepWalk<Traits::kStepCursor, Steps> walk(steps);
   for (int step = 0; step < steps.num_steps; ++step) {
     int head, m_block;
-    steps.unit(step, head, m_block);
+    walk.unit(step, head, m_block);
     auto q_tile = [&](auto& m) {
       return local_tile(m(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                         make_coord(m_block, 0));
@@ -266,9 +267,10 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
   constexpr int kStatLoads = Traits::kRowStatLoads;
   auto stat_value = [&](int i) { return ds_tidx + i * Traits::kDsThreads; };
   auto loads_stat = [&](int i) { return stat_value(i) < 2 * kBlockM; };
-  auto load_row_stat = [&](int step, int j) {
+  StepWalk<Traits::kStepCursor, Steps> walk(steps);
+  auto load_row_stat = [&](int step, int j) {  // step: the one the walk is at
     int head, m_block;
-    steps.unit(step, head, m_block);
+    walk.peek(step, head, m_block);
     const int row = m_block * kBlockM + j % kBlockM;
     const int64_t index = (int64_t{batch} * params.num_heads + head) * params.seqlen_q + row;
     if (row >= params.seqlen_q) return j < kBlockM ? INFINITY : 0.f;
@@ -290,7 +292,7 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
   }
   for (int step = 0; step < steps.num_steps; ++step) {
     int head, m_block;
-    steps.unit(step, head, m_block);
+    walk.unit(step, head, m_block);
     const int row0 = m_block * kBlockM;
     const RingSlot<kStages> slot(step);
     const int stage = slot.stage;

@@ -68,6 +68,8 @@ struct BwdTraitsSm90 {
   // dQ over each consumer's own keys (tile_sizes.h, Sm90BwdTile): the
   // consumers share no dS, and take turns at the tensor cores.
   static constexpr bool kDqOwnKeys = kTile.dq_own_keys;
+  // Steps' units through a cursor (tile_sizes.h, Sm90BwdTile::step_cursor).
+  static constexpr bool kStepCursor = kTile.step_cursor;
   static_assert(!(kDqOwnKeys && (kPdSShared || kDqTransposed)),
                 "dQ over own keys: dQ = dS K with the key split");
   static_assert(!(kDqOwnKeys && kOrdered),
