@@ -261,7 +261,7 @@ struct KeyBlockSteps {
   struct Cursor {
     int head;
     int m_block;
-    int head_end;
+    int head_end;  // first_head + the CTA's query heads, kept so that next() need not divide
   };
   __device__ __forceinline__ Cursor first() const {
     if (num_steps == 0) return Cursor{first_head, m_block_begin, first_head};  // no step reads it
