@@ -370,20 +370,25 @@ def _kernel_call(call):
 
 
 def _check_against_reference(rng, case, dtype, scale=None, deterministic=False, softcap=None,
-                             q_scale=1.0, k_rise=None):
+                             q_scale=1.0, k_rise=None, score_shift=None):
     """out, lse and the three gradients within the 2x rule; masked rows exact.
     softcap: that of the call; q_scale scales the queries (peaked scores);
     k_rise = (first, last) scales key j by linspace(first, last, seq_k)[j]
-    (rising key norms)."""
+    (rising key norms); score_shift adds this to every score (at the call's
+    scale, through the first head-dim coordinate: q there shift / scale, k 1)."""
     b, sq, sk, h, hkv, d, lo, hi = case
     if lo is None:
         lo, hi = -sq, sk
     if scale is None:
         scale = 1.0 / np.sqrt(d)
-    q = jnp.asarray(rng.standard_normal((b, sq, h, d)) * q_scale, dtype)
+    q = rng.standard_normal((b, sq, h, d)) * q_scale
     k = rng.standard_normal((b, sk, hkv, d))
     if k_rise is not None:
         k = k * np.linspace(*k_rise, sk)[None, :, None, None]
+    if score_shift is not None:
+        q[..., 0] = score_shift / scale
+        k[..., 0] = 1.0
+    q = jnp.asarray(q, dtype)
     k = jnp.asarray(k, dtype)
     v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
     g_out = jnp.asarray(rng.standard_normal((b, sq, h, d)), jnp.float32)
@@ -520,6 +525,25 @@ def test_peaked_and_rising_data_against_reference(rng, case, data):
         _check_against_reference(rng, case, jnp.bfloat16, q_scale=8.0)
     else:
         _check_against_reference(rng, case, jnp.bfloat16, k_rise=(0.5, 4.0))
+
+
+# Every score far below zero (lse about -100) on calls whose last key block is
+# cut by seq_k: the Hopper backward's unmasked kernels mask no key there (the
+# keys past seq_k are the loads' zero rows, dK and dV rows the store drops),
+# and a zero score's exp2(-lse) would overflow to inf and reach dq as
+# inf * 0 = NaN; the kernels clamp its exponent at 0. A band cuts the same
+# block in the last case (masked as before).
+LOW_SCORE_CASES = [
+    (1, 200, 333, 2, 2, 64, None, None),
+    (1, 130, 77, 4, 2, 128, None, None),  # GQA, odd lengths
+    (2, 96, 200, 2, 1, 256, None, None),  # MQA
+    (1, 150, 333, 2, 2, 128, -150, 333 - 150),  # bottom-right causal
+]
+
+
+@pytest.mark.parametrize("case", LOW_SCORE_CASES, ids=_case_id)
+def test_low_scores_against_reference(rng, case):
+    _check_against_reference(rng, case, jnp.bfloat16, score_shift=-100.0)
 
 
 # GPUs with 99 KB of shared memory per block (sm86, sm89) run the kSmall column

@@ -256,6 +256,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// min(a, b), NaN if either is NaN (fminf would return the other operand).
+__device__ __forceinline__ float min_keep_nan(float a, float b) {
+  float y;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
 // Programmatic dependent launch (compute capability 9.0; no-ops in code for
 // older GPUs, whose launches never set the attribute: launch.h,
 // launch_dependent). A grid lets the next kernel of its stream launch early

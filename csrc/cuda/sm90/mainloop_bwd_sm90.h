@@ -219,6 +219,14 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
   // Segment ids alike (Traits::kStepMaskFlags, segment_hide_late), their keys'
   // row ranges read again for the late pass rather than kept.
   constexpr bool kLateMask = kLateDv && !Mask::kDense && (!kSoftcap || kCapLate);
+  // Dense scores (no band, no segment ids) mask nothing, not even the keys
+  // past seqlen_k in the last key block: they are TMA's zero fill, K and V
+  // rows of zeros, so their P and dS land only in dK and dV rows that the
+  // store clips, and in dQ through a zero K row. There they must be finite:
+  // a zero score's P = exp2(-lse_log2) overflows where a row's scores are all
+  // far below zero, so the exponent is clamped at 0 (P <= 1, as it is for a
+  // real key) by a min that keeps NaN. No -0 then, and no sign mask.
+  constexpr bool kMasks = !Mask::kDense;
   static_assert(!(kLateMask && Mask::kHasSegments) || Traits::kStepMaskFlags);
   const int lane = tidx % 32;
   const bool warp_leader = lane == 0;
@@ -343,9 +351,9 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
     const bool needs_mask =
         Mask::kHasSegments
             ? seg_needs_mask
-            : key0 + kBlockN > params.seqlen_k ||
-                  mask.tile_class(row0, min(row0 + kBlockM, params.seqlen_q), key0,
-                                  key0 + kBlockN) != TileClass::kFull;
+            : kMasks && (key0 + kBlockN > params.seqlen_k ||
+                         mask.tile_class(row0, min(row0 + kBlockM, params.seqlen_q), key0,
+                                         key0 + kBlockN) != TileClass::kFull);
     float lse_log2[kCols];  // of this thread's query rows (columns)
     if constexpr (!kCapLate) {
       load_column_stat<Traits::kTightRegisters>(lse_log2, smem.lse_log2[own][buffer], cS_rc, lane);
@@ -369,7 +377,8 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
           s_rc(r, c) = score;
           continue;
         }
-        float p = fast_exp2(fmaf(score, params.softmax_scale_log2, -lse_log2[c]));
+        const float exponent = fmaf(score, params.softmax_scale_log2, -lse_log2[c]);
+        float p = fast_exp2(kMasks ? exponent : min_keep_nan(exponent, 0.f));
         float ds_factor = kOwnPOperand ? p * (1.f - score * score) : p;
         if (!kLateMask && needs_mask) {
           const int key = key0 + get<0>(cS_rc(r, c));
@@ -450,7 +459,8 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
           continue;
         }
         const uint32_t keep =
-            ~static_cast<uint32_t>(static_cast<int32_t>(__float_as_uint(s_rc(r, c))) >> 31);
+            kMasks ? ~static_cast<uint32_t>(static_cast<int32_t>(__float_as_uint(s_rc(r, c))) >> 31)
+                   : ~0u;
         dp_rc(r, c) =
             __uint_as_float(__float_as_uint(s_rc(r, c) * (dp_rc(r, c) - delta[c])) & keep);
       }
