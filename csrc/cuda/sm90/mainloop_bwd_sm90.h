@@ -337,9 +337,10 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
       }
     }
 
-    // P^T = exp2(S^T * scale_log2 - lse_log2); keys outside the band or past
-    // the last key get P = 0, by a select that a NaN lse or score cannot turn
-    // into NaN (with kLateMask after the dS^T loop, below). The last key here
+    // P^T = exp2(S^T * scale_log2 - lse_log2); in masked kernels (kMasks)
+    // keys outside the band or past the last key get P = 0, by a select that a
+    // NaN lse or score cannot turn into NaN (with kLateMask after the dS^T
+    // loop, below). The last key here
     // is the last one that some row sees (key_limit): a band may let rows past
     // seqlen_q (zeros, lse = +inf) see keys that no row sees, and their scores
     // are NaN where k is. Masked P is -0, which exp2 never gives: the dS^T
