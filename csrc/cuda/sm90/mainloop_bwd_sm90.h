@@ -340,11 +340,10 @@ __device__ __forceinline__ void consume(const BwdArgsSm90<Traits>& args,
     // P^T = exp2(S^T * scale_log2 - lse_log2); in masked kernels (kMasks)
     // keys outside the band or past the last key get P = 0, by a select that a
     // NaN lse or score cannot turn into NaN (with kLateMask after the dS^T
-    // loop, below). The last key here
-    // is the last one that some row sees (key_limit): a band may let rows past
-    // seqlen_q (zeros, lse = +inf) see keys that no row sees, and their scores
-    // are NaN where k is. Masked P is -0, which exp2 never gives: the dS^T
-    // loop below finds them by it.
+    // loop, below). The last key here is the last one that some row sees
+    // (key_limit): a band may let rows past seqlen_q (zeros, lse = +inf) see
+    // keys that no row sees, and their scores are NaN where k is. Masked P is
+    // -0, which exp2 never gives: the dS^T loop below finds them by it.
     warpgroup_wait<1>();
     warpgroup_fence_operand(acc_s);
     Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
