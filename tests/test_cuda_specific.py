@@ -277,6 +277,12 @@ SOFTCAP_CASES = [
     (3, 1000, 1000, 16, 8, 256, -1000, 0, 30.0, 2.0),
     (1, 200, 300, 2, 1, 80, -200, 100, 5.0, 3.0),  # head dim 80 runs 128's kernels
     (1, 130, 190, 2, 2, 32, None, None, 2.0, 3.0),  # head dim 32 runs 64's
+    # The Hopper forward takes bfloat16 softcaps up to 56.8 against a fixed
+    # offset (softmax_sm90.h): 56 needs an offset; past 56.8 the running max.
+    (1, 257, 300, 4, 2, 128, None, None, 56.0, 8.0),
+    (2, 200, 333, 2, 1, 128, -200, 133, 100.0, 8.0),
+    (1, 300, 200, 2, 2, 64, None, None, 60.0, 8.0),
+    (1, 150, 190, 2, 2, 256, -150, 40, 80.0, 6.0),
 ]
 
 
@@ -544,6 +550,14 @@ LOW_SCORE_CASES = [
 @pytest.mark.parametrize("case", LOW_SCORE_CASES, ids=_case_id)
 def test_low_scores_against_reference(rng, case):
     _check_against_reference(rng, case, jnp.bfloat16, score_shift=-100.0)
+
+
+# Softcapped scores near -softcap everywhere: the Hopper forward's fixed-offset
+# softmax at the low end of its range (P near 2^-80 at cap 50, 2^-98 at 56).
+@pytest.mark.parametrize("cap", [50.0, 56.0])
+@pytest.mark.parametrize("case", LOW_SCORE_CASES, ids=_case_id)
+def test_softcap_low_scores_against_reference(rng, case, cap):
+    _check_against_reference(rng, case, jnp.bfloat16, softcap=cap, score_shift=-1000.0)
 
 
 # GPUs with 99 KB of shared memory per block (sm86, sm89) run the kSmall column

@@ -7,7 +7,8 @@
 # working tree). Run from the repository root.
 #   AB_TREES="base new" AB_SUBSET=bf16_hdim128 AB_BENCH="--head-dims 128 --modes fwdbwd" \
 #     bash tools/ab_bench.sh
-# Optional variables: OUT, WORK_DIR, SITE_DIR (tools/env.sh), AB_JOBS.
+# Optional variables: OUT, WORK_DIR, SITE_DIR (tools/env.sh), AB_JOBS, AB_IMPLS
+# (quick_bench.py's --impls, default jflash).
 # AB_PHASE=build or bench runs one half (e.g. build every tree once, then time
 # several pairs with different AB_BENCH). Summarize the log with
 # tools/ab_summary.py; use 3 or more rounds at seq <= 1024, where medians move
@@ -34,6 +35,6 @@ for round in $(seq "$AB_ROUNDS"); do
   for side in $AB_TREES; do
     echo "== $side (round $round)"
     PYTHONPATH=$WORK_DIR/ab_$side/site${SITE_DIR:+:$SITE_DIR} timeout 200 python3 -P tools/quick_bench.py \
-      $AB_BENCH --impls jflash 2>&1 | tail -n +3
+      $AB_BENCH --impls ${AB_IMPLS:-jflash} 2>&1 | tail -n +3
   done
 done 2>&1 | tee -a "$OUT/ab_bench.log"

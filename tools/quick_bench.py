@@ -64,6 +64,8 @@ def main():
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--group", type=int, default=1,
                         help="query heads per kv head (GQA/MQA); 1: MHA")
+    parser.add_argument("--softcap", type=float, default=50.0,
+                        help="the cap of the jflash_softcap impl")
     args = parser.parse_args()
     print(f"device: {jax.devices()[0].device_kind}, {args.dtype}, {args.group} query heads per kv head")
     header = "".join(f" {name + ' ms':>10} {'TFLOP/s':>8}" for name in args.impls)
@@ -84,6 +86,8 @@ def main():
                     "jflash": lambda q, k, v, c=causal: jflash.flash_attention(q, k, v, causal=c),
                     "jflash_det": lambda q, k, v, c=causal: jflash.flash_attention(
                         q, k, v, causal=c, deterministic=True),
+                    "jflash_softcap": lambda q, k, v, c=causal: jflash.flash_attention(
+                        q, k, v, causal=c, softcap=args.softcap),
                     "cudnn": lambda q, k, v, c=causal: jax.nn.dot_product_attention(
                         q, k, v, is_causal=c, implementation="cudnn"),
                 }

@@ -65,6 +65,13 @@ struct FwdTraitsSm90 {
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>());
   using TiledMmaPV = decltype(make_tiled_mma(MmaPVAtom{}, WarpgroupLayout{}));
+  // The fixed-offset softmax's row sums (softmax_sm90.h): P times a block of
+  // ones, N = 8, beside each P V product (FwdMainloopSm90::mma_fixed_offset).
+  using TiledMmaRowSum = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, _8, Int<kBlockN>>>(),
+      WarpgroupLayout{}));
+  using SmemLayoutOnes =
+      decltype(tile_to_shape(GMMA::Layout_K_INTER_Atom<Element>{}, Shape<_8, Int<kBlockN>>{}));
 
   // 128-byte swizzled layouts that both TMA and wgmma understand.
   using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
@@ -149,6 +156,9 @@ struct FwdTraitsSm90 {
     // The dynamic schedule's work units (TileSchedulerSm90::kDynamic); last,
     // so that the other kernels' layout did not move.
     IntRingSm90 units;
+    // Ones, the B operand of TiledMmaRowSum (written at the kernel's start
+    // where the fixed-offset main loop runs).
+    alignas(128) cute::ArrayEngine<Element, cosize_v<SmemLayoutOnes>> ones;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024);
