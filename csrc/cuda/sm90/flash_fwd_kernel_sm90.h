@@ -20,7 +20,9 @@
 //       online softmax of S       (registers; exp2 with the scale folded in;
 //                                  where the tile table says stale_max,
 //                                  against the running max first; of
-//                                  tanh(softcap_scale * S) with softcap)
+//                                  tanh(softcap_scale * S) with softcap,
+//                                  against a fixed offset where the cap
+//                                  allows it: mainloop_fwd_fixed_sm90.h)
 //       O = O * correction + P V  (wgmma, P from registers, V from shared memory)
 //     and at the end of a tile O / rowsum goes through shared memory to a
 //     TMA store (head dims 64, 128) while the next tile starts.
@@ -43,6 +45,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/arch/cluster_sm90.hpp>
 #include <cute/tensor.hpp>
@@ -50,6 +53,7 @@
 
 #include "cuda/launch.h"
 #include "cuda/sm90/epilogue_fwd_sm90.h"
+#include "cuda/sm90/mainloop_fwd_fixed_sm90.h"
 #include "cuda/sm90/mainloop_fwd_sm90.h"
 #include "cuda/sm90/softmax_sm90.h"
 #include "cuda/sm90/tile_scheduler_sm90.h"
@@ -66,7 +70,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ FwdArgsSm90<Traits> args) {
   using Scheduler = TileSchedulerSm90<Traits::kBlockM, Traits::kBlockN, Mask>;
   using Producer = FwdProducerSm90<Traits, Mask>;
-  using Mainloop = FwdMainloopSm90<Traits, Mask, kScore, kFixedOffset>;
+  static_assert(!kFixedOffset || kScore == ScoreKind::kSoftcap);
+  using Mainloop = std::conditional_t<kFixedOffset, FwdMainloopFixedOffsetSm90<Traits, Mask>,
+                                      FwdMainloopSm90<Traits, Mask, kScore>>;
   using Epilogue = FwdEpilogueSm90<Traits>;
   const FwdParams& params = args.params;
   extern __shared__ __align__(1024) char smem_raw[];

@@ -202,9 +202,7 @@ struct FwdProducerSm90 {
 // One consumer warpgroup's 64 query rows of a tile: per key tile S = Q K^T,
 // the online softmax of S (of tanh(softcap_scale * S) with softcap: kScore,
 // jflash/score.h), and O = O * correction + P V.
-// kFixedOffset: softcapped scores against a fixed offset (fixed_offset_fits,
-// softmax_sm90.h), their row sums from the tensor cores; else a running max.
-template <typename Traits, typename Mask, ScoreKind kScore, bool kFixedOffset = false>
+template <typename Traits, typename Mask, ScoreKind kScore>
 struct FwdMainloopSm90 {
   using Element = typename Traits::Element;
   using SharedStorage = typename Traits::SharedStorage;
@@ -278,7 +276,6 @@ struct FwdMainloopSm90 {
   // memory clobber).
   const int lane;
   const int warp_in_group;
-  const int thr_index;  // tidx
   bool redo = false;  // this warp's verdict on the last key tile
   int kv_iter = 0;    // K/V tiles consumed so far: position in the ring
   int q_iter = 0;     // Q tiles consumed so far
@@ -305,8 +302,7 @@ struct FwdMainloopSm90 {
         warp_leader(tidx % 32 == 0),
         mask(params_),
         lane(tidx % 32),
-        warp_in_group(tidx % 128 / 32),
-        thr_index(tidx) {}
+        warp_in_group(tidx % 128 / 32) {}
 
   __device__ __forceinline__ SmemQ smem_q() const {
     return make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::SmemLayoutQ{});
@@ -407,16 +403,6 @@ struct FwdMainloopSm90 {
   // accumulator) and softmax, both reset here.
   template <typename AccO>
   __device__ __forceinline__ void mma(const Tile& tile, AccO& acc_o, Softmax& softmax) {
-    static_assert(!kFixedOffset || kScore == ScoreKind::kSoftcap);
-    if constexpr (kFixedOffset) {
-      mma_fixed_offset(tile, acc_o, softmax);
-    } else {
-      mma_running_max(tile, acc_o, softmax);
-    }
-  }
-
-  template <typename AccO>
-  __device__ __forceinline__ void mma_running_max(const Tile& tile, AccO& acc_o, Softmax& softmax) {
     Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
     const int n_tiles = tile.n_tiles;
     const int n_block_begin = tile.n_block_begin;
@@ -552,113 +538,6 @@ struct FwdMainloopSm90 {
       warpgroup_fence_operand(acc_o);
       release(&smem.v_empty[prev.stage]);
     }
-    kv_iter += n_tiles;
-    ++q_iter;
-  }
-
-  // Softcapped scores are bounded, so the softmax takes every key tile
-  // against one fixed offset (softmax_sm90.h, fixed_offset_fits): no tile
-  // max, no stale max to test, no O rescale, no redo, and K leaves shared
-  // memory as soon as its scores are in registers. The row sums are P times a
-  // block of ones, issued with each P V product (Traits::TiledMmaRowSum),
-  // instead of an add per score. The ping-pong turns and the ring are those
-  // of mma_running_max.
-  template <typename AccO>
-  __device__ __forceinline__ void mma_fixed_offset(const Tile& tile, AccO& acc_o, Softmax& softmax) {
-    using TiledMmaRowSum = typename Traits::TiledMmaRowSum;
-    TiledMmaRowSum mma_sum;
-    auto thr_sum = mma_sum.get_thread_slice(thr_index);
-    Tensor tSumrOnes = thr_sum.partition_fragment_B(
-        make_tensor(make_smem_ptr(smem.ones.begin()), typename Traits::SmemLayoutOnes{}));
-    Tensor acc_sum = partition_fragment_C(mma_sum, Shape<Int<kBlockM>, _8>{});
-    const int n_tiles = tile.n_tiles;
-    const int n_block_begin = tile.n_block_begin;
-    mask.set_rows(tile.row_begin, tile.batch, cS_rc());
-    softmax.reset_fixed(fixed_offset(params.softmax_scale_log2));
-    clear(acc_o);
-    if (n_tiles <= 0) return;
-    clear(acc_sum);
-    if constexpr (Traits::kPingPong) {
-      if (consumer == 1) Barriers::arrive(kPairThreads, Barriers::kTurn);
-    }
-    consumer_wait(&smem.q_full, QSlot(q_iter).phase);
-    if constexpr (Traits::kQInRegisters) {
-      warpgroup_fence_operand(tSrQ);
-      copy(smem_copy_q, tQsQ, smem_thr_copy_q.retile_D(tSrQ));
-      warpgroup_fence_operand(tSrQ);
-      release(&smem.q_empty);
-    }
-    auto softmax_tile = [&](int n_block) {
-      mask_scores(n_block);
-      auto s = s_rc();
-      softmax.exp_fixed(s);
-    };
-    // P V and P 1 as one wgmma group.
-    auto issue_pv = [&](int v_stage) {
-      warpgroup_fence_operand(acc_o);
-      warpgroup_fence_operand(acc_sum);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(tOrP); ++k) {
-        cute::gemm(mma_pv, tOrP(_, _, k), tOrV(_, _, k, v_stage), acc_o);
-      }
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(tOrP); ++k) {
-        cute::gemm(mma_sum, tOrP(_, _, k), tSumrOnes(_, _, k), acc_sum);
-      }
-      warpgroup_commit_batch();
-    };
-    {
-      const KSlot slot(kv_iter);
-      begin_issue();
-      consumer_wait(&smem.k_full[slot.stage], slot.phase);
-      wgmma_issue</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, slot.stage), acc_s);
-      end_issue(false);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_s);
-      release_qk_operands(slot.stage, n_tiles == 1);
-      softmax_tile(n_block_begin);
-      Softmax::convert_p(acc_s, tOrP);
-    }
-    for (int i = 1; i < n_tiles; ++i) {
-      const KSlot slot(kv_iter + i);
-      const VSlot prev(kv_iter + i - 1);
-      begin_issue();
-      consumer_wait(&smem.k_full[slot.stage], slot.phase);
-      wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, slot.stage), acc_s);
-      consumer_wait(&smem.v_full[prev.stage], prev.phase);
-      warpgroup_fence_operand(tOrP);
-      issue_pv(prev.stage);
-      end_issue(false);
-      warpgroup_wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
-      warpgroup_fence_operand(acc_s);
-      release_qk_operands(slot.stage, i == n_tiles - 1);
-      softmax_tile(n_block_begin + i);
-      softmax.pin_below();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      warpgroup_fence_operand(acc_sum);
-      warpgroup_fence_operand(tOrP);
-      release(&smem.v_empty[prev.stage]);
-      Softmax::convert_p(acc_s, tOrP);
-    }
-    {
-      const VSlot prev(kv_iter + n_tiles - 1);
-      begin_issue();
-      consumer_wait(&smem.v_full[prev.stage], prev.phase);
-      warpgroup_fence_operand(tOrP);
-      issue_pv(prev.stage);
-      end_issue(true);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      warpgroup_fence_operand(acc_sum);
-      release(&smem.v_empty[prev.stage]);
-    }
-    // Every column of acc_sum holds its row's sum; the epilogue adds the
-    // quad's four partial sums, so each thread keeps a quarter (exact).
-    Tensor sum_rc = make_tensor(acc_sum.data(), acc_rowcol(acc_sum.layout()));
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) softmax.row_sum[r] = 0.25f * sum_rc(r, 0);
     kv_iter += n_tiles;
     ++q_iter;
   }
