@@ -24,19 +24,17 @@ template <typename Traits, typename Mask>
 struct FwdMainloopFixedOffsetSm90 : FwdMainloopSm90<Traits, Mask, ScoreKind::kSoftcap> {
   using Base = FwdMainloopSm90<Traits, Mask, ScoreKind::kSoftcap>;
   using typename Base::KSlot;
-  using typename Base::QSlot;
   using typename Base::Softmax;
   using typename Base::Tile;
   using typename Base::VSlot;
   using Base::kBlockM;
-  using Base::kPairThreads;
   using Base::kRows;
-  using Barriers = typename Base::Barriers;
   using Base::acc_s;
   using Base::begin_issue;
-  using Base::consumer;
+  using Base::begin_tile;
   using Base::cS_rc;
   using Base::end_issue;
+  using Base::first_qk;
   using Base::kv_iter;
   using Base::mask;
   using Base::mask_scores;
@@ -48,11 +46,8 @@ struct FwdMainloopFixedOffsetSm90 : FwdMainloopSm90<Traits, Mask, ScoreKind::kSo
   using Base::release_qk_operands;
   using Base::s_rc;
   using Base::smem;
-  using Base::smem_copy_q;
-  using Base::smem_thr_copy_q;
   using Base::tOrP;
   using Base::tOrV;
-  using Base::tQsQ;
   using Base::tSrK;
   using Base::tSrQ;
   const int tidx;
@@ -79,16 +74,7 @@ struct FwdMainloopFixedOffsetSm90 : FwdMainloopSm90<Traits, Mask, ScoreKind::kSo
     clear(acc_o);
     if (n_tiles <= 0) return;
     clear(acc_sum);
-    if constexpr (Traits::kPingPong) {
-      if (consumer == 1) Barriers::arrive(kPairThreads, Barriers::kTurn);
-    }
-    consumer_wait(&smem.q_full, QSlot(q_iter).phase);
-    if constexpr (Traits::kQInRegisters) {
-      warpgroup_fence_operand(tSrQ);
-      copy(smem_copy_q, tQsQ, smem_thr_copy_q.retile_D(tSrQ));
-      warpgroup_fence_operand(tSrQ);
-      release(&smem.q_empty);
-    }
+    begin_tile();
     auto softmax_tile = [&](int n_block) {
       mask_scores(n_block);
       auto s = s_rc();
@@ -110,14 +96,7 @@ struct FwdMainloopFixedOffsetSm90 : FwdMainloopSm90<Traits, Mask, ScoreKind::kSo
       warpgroup_commit_batch();
     };
     {
-      const KSlot slot(kv_iter);
-      begin_issue();
-      consumer_wait(&smem.k_full[slot.stage], slot.phase);
-      wgmma_issue</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, slot.stage), acc_s);
-      end_issue(false);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_s);
-      release_qk_operands(slot.stage, n_tiles == 1);
+      first_qk(n_tiles);
       softmax_tile(n_block_begin);
       Softmax::convert_p(acc_s, tOrP);
     }

@@ -399,17 +399,9 @@ struct FwdMainloopSm90 {
     release_qk_operands(k_stage, last_q_k);
   }
 
-  // The key tiles of one tile of query rows, into acc_o (the P V products'
-  // accumulator) and softmax, both reset here.
-  template <typename AccO>
-  __device__ __forceinline__ void mma(const Tile& tile, AccO& acc_o, Softmax& softmax) {
-    Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
-    const int n_tiles = tile.n_tiles;
-    const int n_block_begin = tile.n_block_begin;
-    mask.set_rows(tile.row_begin, tile.batch, cS_rc());
-    softmax.reset();
-    clear(acc_o);
-    if (n_tiles <= 0) return;
+  // A tile's start (one with key tiles): consumer 1's first hand-over of the
+  // turn, and Q, into registers where the products read it there.
+  __device__ __forceinline__ void begin_tile() {
     if constexpr (Traits::kPingPong) {
       if (consumer == 1) Barriers::arrive(kPairThreads, Barriers::kTurn);
     }
@@ -422,17 +414,36 @@ struct FwdMainloopSm90 {
       warpgroup_fence_operand(tSrQ);
       release(&smem.q_empty);
     }
+  }
+  // A tile's first product, S_0 = Q K_0^T, waited for; K_0 (and where it is
+  // the tile's only key tile, Q) released.
+  __device__ __forceinline__ void first_qk(int n_tiles) {
+    const KSlot slot(kv_iter);
+    begin_issue();
+    consumer_wait(&smem.k_full[slot.stage], slot.phase);
+    wgmma_issue</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, slot.stage), acc_s);
+    end_issue(false);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_s);
+    release_qk_operands(slot.stage, n_tiles == 1);
+  }
+
+  // The key tiles of one tile of query rows, into acc_o (the P V products'
+  // accumulator) and softmax, both reset here.
+  template <typename AccO>
+  __device__ __forceinline__ void mma(const Tile& tile, AccO& acc_o, Softmax& softmax) {
+    Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+    const int n_tiles = tile.n_tiles;
+    const int n_block_begin = tile.n_block_begin;
+    mask.set_rows(tile.row_begin, tile.batch, cS_rc());
+    softmax.reset();
+    clear(acc_o);
+    if (n_tiles <= 0) return;
+    begin_tile();
 
     // Step 0: S_0 only.
     {
-      const KSlot slot(kv_iter);
-      begin_issue();
-      consumer_wait(&smem.k_full[slot.stage], slot.phase);
-      wgmma_issue</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, slot.stage), acc_s);
-      end_issue(false);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_s);
-      release_qk_operands(slot.stage, n_tiles == 1);
+      first_qk(n_tiles);
       float correction[kRows];
       softmax_step(softmax, n_block_begin, correction);
       Softmax::convert_p(acc_s, tOrP);
