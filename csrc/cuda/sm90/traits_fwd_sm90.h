@@ -66,7 +66,7 @@ struct FwdTraitsSm90 {
                            GMMA::Major::K, GMMA::Major::MN>());
   using TiledMmaPV = decltype(make_tiled_mma(MmaPVAtom{}, WarpgroupLayout{}));
   // The fixed-offset softmax's row sums (softmax_sm90.h): P times a block of
-  // ones, N = 8, beside each P V product (FwdMainloopSm90::mma_fixed_offset).
+  // ones, N = 8, beside each P V product (mainloop_fwd_fixed_sm90.h).
   using TiledMmaRowSum = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, _8, Int<kBlockN>>>(),
       WarpgroupLayout{}));
@@ -156,8 +156,9 @@ struct FwdTraitsSm90 {
     // The dynamic schedule's work units (TileSchedulerSm90::kDynamic); last,
     // so that the other kernels' layout did not move.
     IntRingSm90 units;
-    // Ones, the B operand of TiledMmaRowSum (written at the kernel's start
-    // where the fixed-offset main loop runs).
+    // Ones, the B operand of TiledMmaRowSum (16 bytes per key of a tile),
+    // written at the kernel's start where the fixed-offset main loop runs;
+    // the other kernels leave them unused.
     alignas(128) cute::ArrayEngine<Element, cosize_v<SmemLayoutOnes>> ones;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
