@@ -117,6 +117,13 @@ def test_band_units(tmp_path):
     _run_host_check(tmp_path, "band_units_check", "cuda/sm90/band_units_sm90.h")
 
 
+def test_softcap_fixed_offset(tmp_path):
+    """The softcap caps that the Hopper forward takes against a fixed offset keep every
+    exponent of P in the range its bounds promise (csrc/include/jflash/score.h): checked
+    on the host by tests/softcap_offset_check.cc, compiled here."""
+    _run_host_check(tmp_path, "softcap_offset_check", "include/jflash/score.h")
+
+
 def _expected_unit(name):
     """The translation unit csrc/cuda/cuda.cmake puts an instantiation file in."""
     m = re.fullmatch(r"flash_decode_(fp16|bf16)_hdim(\d+)\.cu", name)

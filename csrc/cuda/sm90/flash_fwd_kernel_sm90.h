@@ -166,12 +166,12 @@ cudaError_t launch_flash_fwd_sm90(const FwdParams& params, const LaunchContext& 
   }
   auto kernel = &flash_fwd_sm90_kernel<Traits, Mask, kScore, false>;
   // Softcap in bfloat16 takes the fixed-offset softmax where the cap allows
-  // it (softmax_sm90.h; float16's P cannot hold its range), at head dims 128
+  // it (jflash/score.h; float16's P cannot hold its range), at head dims 128
   // and 256. Head dim 64's tile of three consumers measured level to 3%
   // slower with it (docs/cuda_kernels.md, "Softcap").
   if constexpr (kScore == ScoreKind::kSoftcap && std::is_same_v<Element, cutlass::bfloat16_t> &&
                 kHeadDim >= 128) {
-    if (fixed_offset_fits(params.softmax_scale_log2)) {
+    if (softcap_fixed_offset_fits(params.softmax_scale_log2)) {
       kernel = &flash_fwd_sm90_kernel<Traits, Mask, kScore, true>;
     }
   }

@@ -1,10 +1,10 @@
 // The Hopper forward's main loop for softcapped bfloat16 scores where the cap
-// bounds them enough (fixed_offset_fits, softmax_sm90.h): every key tile is
-// taken against one fixed offset. No tile max, no stale max to test (nor its
-// warpgroup vote), no O rescale, no redo, and K leaves shared memory as soon
-// as its scores are in registers. The row sums are P times a block of ones,
-// issued with each P V product (Traits::TiledMmaRowSum, N = 8) instead of an
-// add per score. Loads, ping-pong turns and ring are those of
+// bounds them enough (softcap_fixed_offset_fits, jflash/score.h): every key
+// tile is taken against one fixed offset. No tile max, no stale max to test
+// (nor its warpgroup vote), no O rescale, no redo, and K leaves shared memory
+// as soon as its scores are in registers. The row sums are P times a block of
+// ones, issued with each P V product (Traits::TiledMmaRowSum, N = 8) instead of
+// an add per score. Loads, ping-pong turns and ring are those of
 // FwdMainloopSm90, whose members this main loop uses; only mma differs. The
 // launcher picks it per call (flash_fwd_kernel_sm90.h).
 #pragma once
@@ -70,7 +70,7 @@ struct FwdMainloopFixedOffsetSm90 : FwdMainloopSm90<Traits, Mask, ScoreKind::kSo
     const int n_tiles = tile.n_tiles;
     const int n_block_begin = tile.n_block_begin;
     mask.set_rows(tile.row_begin, tile.batch, cS_rc());
-    softmax.reset_fixed(fixed_offset(params.softmax_scale_log2));
+    softmax.reset_fixed(softcap_fixed_offset(params.softmax_scale_log2));
     clear(acc_o);
     if (n_tiles <= 0) return;
     clear(acc_sum);

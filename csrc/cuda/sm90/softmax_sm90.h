@@ -12,26 +12,6 @@ namespace jflash::cuda::sm90 {
 
 using namespace cute;
 
-// Softcapped scores need no running max where the softcap is small enough. A
-// capped score is C t with t = tanh(...) in [-1, 1] and C = scale_log2 =
-// softcap * log2(e), so every exponent C t - offset lies in [-C - offset,
-// C - offset] whatever the data; with the offset below, in [kFixedLow,
-// kFixedHigh] wherever fixed_offset_fits(C), and then every key tile may be
-// taken against that one offset. P <= 2^64 keeps O and the float32 sums far
-// from overflow (a row's P V overflows only for |v| near 2^64 / keys below
-// float's limit), and P >= 2^-100 keeps every term a normal float and a
-// normal bfloat16: nothing is flushed, P has its full precision, and lse =
-// offset + log2(sum) as with a max. (P in float16, whose range is 2^-14 to
-// 2^16, cannot take this.) True for softcap <= 56.8 (C <= 82).
-inline constexpr float kFixedHigh = 64.f;
-inline constexpr float kFixedLow = -100.f;
-__host__ __device__ __forceinline__ float fixed_offset(float scale_log2) {
-  return scale_log2 > kFixedHigh ? scale_log2 - kFixedHigh : 0.f;
-}
-__host__ __device__ __forceinline__ bool fixed_offset_fits(float scale_log2) {
-  return scale_log2 > 0.f && -scale_log2 - fixed_offset(scale_log2) >= kFixedLow;
-}
-
 // kRows x kCols: the scores a thread holds per key tile, as a (rows, cols)
 // view s_rc of its wgmma accumulator (a quad of lanes holds one row).
 // Scores live in the log2 domain: exp(scale * s) = exp2(scale_log2 * s).
@@ -162,7 +142,8 @@ struct SoftmaxSm90 {
     return within;
   }
 
-  // The fixed-offset softmax of softcapped scores (fixed_offset_fits):
+  // The fixed-offset softmax of softcapped scores (jflash/score.h,
+  // softcap_fixed_offset_fits):
   // reset_fixed once per tile of rows, exp_fixed per key tile. The row sums
   // come from the tensor cores (FwdMainloopFixedOffsetSm90), so
   // exp_fixed leaves them alone.

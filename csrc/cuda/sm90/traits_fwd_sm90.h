@@ -65,7 +65,7 @@ struct FwdTraitsSm90 {
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>());
   using TiledMmaPV = decltype(make_tiled_mma(MmaPVAtom{}, WarpgroupLayout{}));
-  // The fixed-offset softmax's row sums (softmax_sm90.h): P times a block of
+  // The fixed-offset softmax's row sums (jflash/score.h): P times a block of
   // ones, N = 8, beside each P V product (mainloop_fwd_fixed_sm90.h).
   using TiledMmaRowSum = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, _8, Int<kBlockN>>>(),
