@@ -278,7 +278,7 @@ SOFTCAP_CASES = [
     (1, 200, 300, 2, 1, 80, -200, 100, 5.0, 3.0),  # head dim 80 runs 128's kernels
     (1, 130, 190, 2, 2, 32, None, None, 2.0, 3.0),  # head dim 32 runs 64's
     # The Hopper forward takes bfloat16 softcaps up to 56.8 against a fixed
-    # offset (softmax_sm90.h): 56 needs an offset; past 56.8 the running max.
+    # offset (jflash/score.h): 56 needs an offset; past 56.8 the running max.
     (1, 257, 300, 4, 2, 128, None, None, 56.0, 8.0),
     (2, 200, 333, 2, 1, 128, -200, 133, 100.0, 8.0),
     (1, 300, 200, 2, 2, 64, None, None, 60.0, 8.0),

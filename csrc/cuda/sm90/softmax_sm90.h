@@ -143,10 +143,9 @@ struct SoftmaxSm90 {
   }
 
   // The fixed-offset softmax of softcapped scores (jflash/score.h,
-  // softcap_fixed_offset_fits):
-  // reset_fixed once per tile of rows, exp_fixed per key tile. The row sums
-  // come from the tensor cores (FwdMainloopFixedOffsetSm90), so
-  // exp_fixed leaves them alone.
+  // softcap_fixed_offset_fits): reset_fixed once per tile of rows, exp_fixed
+  // per key tile. The row sums come from the tensor cores
+  // (FwdMainloopFixedOffsetSm90), so exp_fixed leaves them alone.
   __device__ __forceinline__ void reset_fixed(float offset) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
