@@ -439,7 +439,7 @@ def _forward_against_reference(rng, q, k, lo, hi, dtype):
 
 
 # Scores whose row maxima rise along the keys, by steps that cross the Hopper
-# forward's rescale slack (2^8 in exp2 terms, about 5.5 in natural units) and
+# forward's rescale slack (2^15 in exp2 terms, about 10.4 in natural units) and
 # one step past float32's exp2 range (about 88.7). The Hopper softmax first
 # takes each key tile against the running max; where a row's max rose past
 # the slack it raises the max from the exponentials, and where it rose by
