@@ -6,6 +6,8 @@
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 
 #include "cuda/launch.h"
@@ -86,6 +88,13 @@ __global__ void __launch_bounds__(kPrepThreads)
   const int zero_chunks = params.head_dim / 4;  // float4s of a dq_accum row
   const int sub = threadIdx.x % kThreadsPerRow;
   const int group = threadIdx.x / kThreadsPerRow;
+  // TF32 (float32 inputs, one pass): the main kernel's dP = dO V^T rounds dO
+  // to TF32, and delta takes the same rounded dO, so that dP - delta cancels
+  // where the math does. With float32 dO here, a row that sees one key (P = 1,
+  // O = V, true dS = 0) kept dS = P (dO_tf32 - dO) V^T, about 2^-11 |dO| |V|:
+  // dq off by ~1e-3 where it is 0 (tests/test_dot_product_attention.py). 3xTF32
+  // carries dO at float32 precision, so it keeps dO as it is.
+  [[maybe_unused]] const bool round_do = std::is_same_v<Element, float> && params.tf32_passes == 1;
   const int64_t num_tiles = prep_num_tiles<kTileRows>(params);
   for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const PrepTile tile = prep_tile<kTileRows>(params, t);
@@ -121,7 +130,14 @@ __global__ void __launch_bounds__(kPrepThreads)
         const Element* o_values = reinterpret_cast<const Element*>(&o_chunk[i][j]);
         const Element* do_values = reinterpret_cast<const Element*>(&do_chunk[i][j]);
         CUTE_UNROLL
-        for (int e = 0; e < kChunk; ++e) dot += float(o_values[e]) * float(do_values[e]);
+        for (int e = 0; e < kChunk; ++e) {
+          if constexpr (std::is_same_v<Element, float>) {
+            const float d = do_values[e];
+            dot += o_values[e] * (round_do ? round_to_tf32(d) : d);
+          } else {
+            dot += float(o_values[e]) * float(do_values[e]);
+          }
+        }
       }
       CUTE_UNROLL
       for (int offset = kThreadsPerRow / 2; offset > 0; offset /= 2) {
