@@ -14,7 +14,10 @@ import zlib
 # cases took 15-25 s each, mostly compiling, and overran a 300 s budget after
 # 7-14 of 76; without autotuning ~6.5 s each; with cuBLAS gemms and no
 # autotuning the 76 (47 run, the rest skipped in a subset build) took 123 s. The references' numbers stay those
-# of a correct gemm either way. Flags the caller sets come later and win.
+# of a correct gemm either way, but not their precision at DEFAULT: cuBLAS ran
+# some of a float32 attention's dots at float32 where XLA's Triton gemms run TF32,
+# so tests/test_precision.py compiles its XLA yardstick with XLA's own gemm
+# defaults. Flags the caller sets come later and win.
 _GPU_TEST_FLAGS = "--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false"
 os.environ["XLA_FLAGS"] = " ".join(
     f for f in (_GPU_TEST_FLAGS, os.environ.get("XLA_FLAGS", ""),
