@@ -135,14 +135,14 @@ def _expected_unit(name):
     direction, family, dtype, head_dim, _, score = m.groups(default="")
     if family == "_sm90":
         return f"flash_{direction}_sm90_hdim{head_dim}{score}"
-    if dtype.startswith("tf32"):
-        return f"flash_{direction}_{dtype}_hdim{head_dim}{score}"
+    if dtype.startswith("tf32"):  # both precisions in one unit
+        return f"flash_{direction}_float32_hdim{head_dim}{score}"
     return f"flash_{direction}_hdim{head_dim}{score}"
 
 
 def test_cmake_groups_instantiations_into_units(tmp_path):
     """A full build's configure step makes one translation unit per direction, family,
-    head dim, score kind (and precision for float32), each in the object library whose
+    head dim and score kind (float32's two precisions in one), each in the object library whose
     -gencode flags fit it: a unit that swallows others serializes the build, and a float32
     unit in the sm80 library has no sm_90a SASS in a user's build."""
     root = pathlib.Path(__file__).resolve().parent.parent
@@ -179,7 +179,7 @@ def test_cmake_groups_instantiations_into_units(tmp_path):
             library = "jflash_cuda"
         elif "_sm90_" in unit:
             library = "jflash_cuda_sm90"
-        elif "_tf32" in unit:
+        elif "_float32_" in unit:
             library = f"jflash_cuda_float32_{unit.split('_')[1]}"
         else:
             library = "jflash_cuda_sm80"
