@@ -25,9 +25,9 @@
 #
 # Build time (docs/cuda_kernels.md, "Build time"): nvcc's time goes to cicc's
 # template work, which the instantiations of one head dim share, so the chosen
-# files are compiled as one translation unit per (direction, head dim, family,
-# score; float32's two precisions share one), and one per head dim for the
-# decode kernels: 49 for "all" instead of 276, the same SASS.
+# files are compiled as one translation unit per (direction, head dim, family;
+# and for float32 score kind, whose two precisions share a unit), and one per
+# head dim for the decode kernels: 37 for "all" instead of 276, the same SASS.
 # The sm80 forward and backward get no sm_90a SASS when 80 is a target
 # (below, _gencode_sm80) unless JFLASH_CUDA_SM80_HOPPER_SASS is ON; the decode
 # kernels and the float32 kernels do.
@@ -99,10 +99,10 @@ endif()
 # instantiations (both dtypes, the masks, and the sm80 kernels' 99 KB tile
 # column) share most of nvcc's work: the four of the sm80 backward at head dim
 # 128 cost 1.2x the CPU time of one (docs/cuda_kernels.md, "Build time"). The
-# softcap kernels form units of their own: in their plain kernels' unit they
-# would lengthen the longest unit, which sets a parallel build's time
-# (docs/cuda_kernels.md, "Softcap"). Same templates, same flags: the SASS of
-# every kernel stays the same.
+# softcap kernels join their plain kernels' unit (0.68-0.75x the CPU time of
+# two units, "Build time" item 9), but for float32, whose backward unit at head
+# dim 64 would become the build's longest by far. Same templates, same flags:
+# the SASS of every kernel stays the same.
 set(_group_dir "${CMAKE_CURRENT_BINARY_DIR}/jflash_kernels")
 set(_groups "")
 foreach(_file IN LISTS _instantiations)
@@ -120,9 +120,10 @@ foreach(_file IN LISTS _instantiations)
     set(_hdim "${CMAKE_MATCH_4}")
     set(_score "${CMAKE_MATCH_6}")
     # The 99 KB column joins its direction's sm80 group; the Hopper kernels stay
-    # apart, for their own arch; the softcap kernels apart from the plain ones.
+    # apart, for their own arch; softcap kernels join the plain ones but for
+    # float32.
     if(_family STREQUAL "_sm90")
-      set(_group "flash_${_dir}_sm90_hdim${_hdim}${_score}")
+      set(_group "flash_${_dir}_sm90_hdim${_hdim}")
     elseif(_dtype MATCHES "^tf32")
       # The float32 kernels: a unit per (direction, head dim, score), both
       # precisions (TF32 and 3xTF32) in it, for every arch (below). One unit of
@@ -130,12 +131,12 @@ foreach(_file IN LISTS _instantiations)
       # "Build time", item 8), with the same SASS.
       set(_group "flash_${_dir}_float32_hdim${_hdim}${_score}")
     else()
-      set(_group "flash_${_dir}_hdim${_hdim}${_score}")
+      set(_group "flash_${_dir}_hdim${_hdim}")
     endif()
   endif()
   # A malformed group name would put several groups' kernels in one unit (a
   # serial build) or in the wrong object library (the wrong SASS).
-  if(NOT _group MATCHES "^flash_(fwd|bwd|decode)(_sm90|_float32)?_hdim[0-9]+(_softcap)?$")
+  if(NOT _group MATCHES "^flash_((fwd|bwd|decode)(_sm90)?_hdim[0-9]+|(fwd|bwd)_float32_hdim[0-9]+(_softcap)?)$")
     message(FATAL_ERROR "jflash: ${_name} went to the translation unit '${_group}'")
   endif()
   if(NOT _group IN_LIST _groups)
