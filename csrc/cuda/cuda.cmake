@@ -94,7 +94,8 @@ if(_count EQUAL 0)
   message(FATAL_ERROR "jflash: JFLASH_CUDA_SUBSET='${JFLASH_CUDA_SUBSET}' selects no kernel instantiation")
 endif()
 
-# One translation unit per (direction, head dim, family, score): a generated .cu
+# One translation unit per (direction, head dim, family; float32 also per score
+# kind): a generated .cu
 # that #includes the chosen instantiation files of the group. Its
 # instantiations (both dtypes, the masks, and the sm80 kernels' 99 KB tile
 # column) share most of nvcc's work: the four of the sm80 backward at head dim
