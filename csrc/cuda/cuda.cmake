@@ -95,8 +95,8 @@ if(_count EQUAL 0)
 endif()
 
 # One translation unit per (direction, head dim, family; float32 also per score
-# kind): a generated .cu
-# that #includes the chosen instantiation files of the group. Its
+# kind): a generated .cu that #includes the chosen instantiation files of the
+# group. Its
 # instantiations (both dtypes, the masks, and the sm80 kernels' 99 KB tile
 # column) share most of nvcc's work: the four of the sm80 backward at head dim
 # 128 cost 1.2x the CPU time of one (docs/cuda_kernels.md, "Build time"). The
