@@ -96,10 +96,9 @@ endif()
 
 # One translation unit per (direction, head dim, family; float32 also per score
 # kind): a generated .cu that #includes the chosen instantiation files of the
-# group. Its
-# instantiations (both dtypes, the masks, and the sm80 kernels' 99 KB tile
-# column) share most of nvcc's work: the four of the sm80 backward at head dim
-# 128 cost 1.2x the CPU time of one (docs/cuda_kernels.md, "Build time"). The
+# group. Its instantiations (both dtypes, the masks, and the sm80 kernels' 99 KB
+# tile column) share most of nvcc's work: the four of the sm80 backward at head
+# dim 128 cost 1.2x the CPU time of one (docs/cuda_kernels.md, "Build time"). The
 # softcap kernels join their plain kernels' unit (0.68-0.75x the CPU time of
 # two units, "Build time" item 9), but for float32, whose backward unit at head
 # dim 64 would become the build's longest by far. Same templates, same flags:
