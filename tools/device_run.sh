@@ -15,6 +15,7 @@
 #   TEST_K             a pytest -k expression for the tests step (default: every test)
 #   SANITIZE_ARGS      sanitizer_driver.py's arguments for the sanitize step
 #   GRID_ARGS          benchmarks/gpu_benchmark.py's arguments for the grid step
+#   SUITE_TIMEOUT      seconds each of the suite step's pytest groups may run (default: 480)
 #                      (its results go to $OUT/grid.json)
 set -u
 : "${STEPS:=build tests sanitize bench}"
@@ -25,6 +26,7 @@ set -u
 : "${TEST_K:=}"
 : "${SANITIZE_ARGS:=}"
 : "${GRID_ARGS:=--head-dims 128 --seqs 4096 16384}"
+: "${SUITE_TIMEOUT:=480}"
 source "$(dirname "$0")/env.sh"
 if [ -n "${WHEEL_DIR:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -80,10 +82,10 @@ for step in $STEPS; do
       # autotuning, whose tuning of the reference computations' compiles made each
       # test several times slower. Built without JFLASH_CUDA_SM80_HOPPER_SASS, the
       # tests that force the sm80 kernels on Hopper wait for the driver's compile of
-      # their PTX (cuda_other then ran past 480 s on an H200)
+      # their PTX (cuda_other then ran past 480 s on an H200: raise SUITE_TIMEOUT)
       run_group() {  # name, pytest arguments...
         local name=$1; shift
-        ( XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 480 python3 -P -m pytest -q -p no:cacheprovider "$@" \
+        ( XLA_FLAGS=--xla_gpu_autotune_level=0 timeout $SUITE_TIMEOUT python3 -P -m pytest -q -p no:cacheprovider "$@" \
             > "$OUT/test_suite_$name.log" 2>&1; echo "$name rc=$?: $(tail -1 "$OUT/test_suite_$name.log")" ) &
       }
       run_group cuda_ref tests/test_cuda_specific.py -k test_against_reference
