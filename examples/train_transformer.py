@@ -69,7 +69,8 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check-steps", type=int, default=100, help="0 to skip the comparison")
     p.add_argument("--check-rtol", type=float, default=None, help="default 1e-3 f32, 3e-2 bf16")
-    p.add_argument("--host-devices", type=int, default=None, help="CPU devices to simulate")
+    p.add_argument("--host-devices", type=int, default=None,
+                   help="CPU devices to simulate (the run then uses the CPU, also where a GPU is)")
     p.add_argument("--context-parallel", type=int, default=1, metavar="N",
                    help="shard the sequence over N devices (context-parallel, zigzag layout)")
     p.add_argument("--cp-strategy", default="auto", choices=("auto", "ring", "all_gather"))
@@ -85,7 +86,9 @@ def parse_args():
 
 ARGS = parse_args()
 if ARGS.host_devices:
-    # Must be set before jax starts its CPU backend.
+    # Must be set before jax starts its backends. Without JAX_PLATFORMS a GPU
+    # would be the default backend and the simulated devices go unused.
+    os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "")
         + f" --xla_force_host_platform_device_count={ARGS.host_devices}"

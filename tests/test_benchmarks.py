@@ -31,6 +31,9 @@ def _ok(record):
 @pytest.fixture(autouse=True)
 def _one_cpu_device(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "")  # not conftest's 8 host devices
+    # The CPU also where a GPU is: these check the scripts' logic and records (a
+    # GPU's rows differ by design, e.g. cuDNN available, float32 on TF32).
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
 
 
 def test_gpu_benchmark_data_modes(tmp_path):

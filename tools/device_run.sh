@@ -78,7 +78,7 @@ for step in $STEPS; do
           python3 -P tools/sanitizer_decode.py --head-dims 64 128 256 > "$OUT/sanitizer_decode_$tool.log" 2>&1
         echo "decode $tool rc=$?"; tail -4 "$OUT/sanitizer_decode_$tool.log"
       done ;;
-    suite)  # every file of tests/ in five parallel pytest processes, without XLA's
+    suite)  # every file of tests/ in six parallel pytest processes, without XLA's
       # autotuning, whose tuning of the reference computations' compiles made each
       # test several times slower. Built without JFLASH_CUDA_SM80_HOPPER_SASS, the
       # tests that force the sm80 kernels on Hopper wait for the driver's compile of
@@ -91,11 +91,12 @@ for step in $STEPS; do
       run_group cuda_ref tests/test_cuda_specific.py -k test_against_reference
       run_group cuda_other tests/test_cuda_specific.py -k "not test_against_reference"
       run_group core tests/test_flash_attention.py tests/test_dot_product_attention.py
-      # Every other file, dealt alternately into two groups.
+      # Every other file, dealt in turn into three groups (two ran past 545 s).
       rest=($(ls tests/test_*.py | grep -v -e test_cuda_specific -e test_flash_attention \
         -e test_dot_product_attention))
-      run_group rest_a $(printf '%s\n' "${rest[@]}" | awk 'NR % 2 == 1')
-      run_group rest_b $(printf '%s\n' "${rest[@]}" | awk 'NR % 2 == 0')
+      for i in 0 1 2; do
+        run_group rest_$i $(printf '%s\n' "${rest[@]}" | awk -v i=$i 'NR % 3 == i')
+      done
       wait ;;
     sanitize)
       for tool in memcheck racecheck; do
