@@ -124,27 +124,48 @@ def test_softcap_fixed_offset(tmp_path):
     _run_host_check(tmp_path, "softcap_offset_check", "include/jflash/score.h")
 
 
+_SM80_SPLIT_HEAD_DIMS = ("256",)  # cuda.cmake's _sm80_split_head_dims
+
+
 def _expected_unit(name):
-    """The translation unit csrc/cuda/cuda.cmake puts an instantiation file in."""
+    """The translation unit csrc/cuda/cuda.cmake puts an instantiation file in, and
+    its kind (which picks its -gencode flags)."""
     m = re.fullmatch(r"flash_decode_(fp16|bf16)_hdim(\d+)\.cu", name)
     if m:
-        return f"flash_decode_hdim{m[2]}"
+        return f"flash_decode_hdim{m[2]}", "decode"
     m = re.fullmatch(r"flash_(fwd|bwd)(_small|_sm90)?_(fp16|bf16|tf32|tf32x3)_hdim(\d+)"
                      r"_(full|band|segments)(_softcap)?\.cu", name)
     assert m, name
     direction, family, dtype, head_dim, _, score = m.groups(default="")
-    if family == "_sm90":  # softcap with the plain kernels
-        return f"flash_{direction}_sm90_hdim{head_dim}"
-    if dtype.startswith("tf32"):  # both precisions in one unit, softcap apart
-        return f"flash_{direction}_float32_hdim{head_dim}{score}"
-    return f"flash_{direction}_hdim{head_dim}"
+    if family == "_sm90":  # forward and backward, softcap with the plain kernels
+        return f"flash_sm90_hdim{head_dim}", "sm90"
+    if dtype.startswith("tf32") and direction == "fwd":  # both precisions and scores
+        return f"flash_fwd_float32_hdim{head_dim}", "float32_fwd"
+    if dtype.startswith("tf32"):  # both precisions, softcap apart
+        return f"flash_bwd_float32_hdim{head_dim}{score}", "float32_bwd"
+    if head_dim in _SM80_SPLIT_HEAD_DIMS:
+        return f"flash_{direction}_sm80_hdim{head_dim}", "sm80"
+    return f"flash_sm80_hdim{head_dim}", "sm80"
+
+
+# The -gencode flags of each kind in a full build for 80;90a (cuda.cmake): the sm80
+# kernels without sm_90a SASS (JFLASH_CUDA_SM80_HOPPER_SASS off), the float32
+# forward's sm_90 SASS from the compute_80 PTX, the Hopper kernels for 90a alone.
+_GENCODE = {
+    "sm80": {"compute_80,code=sm_80", "compute_80,code=compute_80"},
+    "sm90": {"compute_90a,code=sm_90a"},
+    "float32_fwd": {"compute_80,code=[sm_80,sm_90]", "compute_80,code=compute_80"},
+    "float32_bwd": {"compute_80,code=sm_80", "compute_90a,code=sm_90a",
+                    "compute_80,code=compute_80"},
+    "decode": {"compute_80,code=sm_80", "compute_90a,code=sm_90a", "compute_80,code=compute_80"},
+}
 
 
 def test_cmake_groups_instantiations_into_units(tmp_path):
-    """A full build's configure step makes one translation unit per direction, family,
-    head dim (and for float32 score kind, both precisions in one), each in the object library whose
-    -gencode flags fit it: a unit that swallows others serializes the build, and a float32
-    unit in the sm80 library has no sm_90a SASS in a user's build."""
+    """A full build's configure step makes one translation unit per head dim and kernel
+    family (cuda.cmake), each compiled with the -gencode flags of its kind: a unit that
+    swallows others serializes the build, and a float32 unit without sm_90a SASS would
+    leave Hopper to compile its PTX at first use. The units are listed longest first."""
     root = pathlib.Path(__file__).resolve().parent.parent
     cmake = shutil.which("cmake")
     if not (root / "csrc" / "cuda" / "cuda.cmake").is_file() or cmake is None \
@@ -156,31 +177,34 @@ def test_cmake_groups_instantiations_into_units(tmp_path):
         pytest.skip("needs nvidia-cutlass")
     build = tmp_path / "build"
     configure = subprocess.run(
-        [cmake, "-S", str(root), "-B", str(build), "-DJFLASH_CUDA=ON",
-         "-DJFLASH_CUDA_SUBSET=all", f"-DPython_EXECUTABLE={sys.executable}"],
+        [cmake, "-S", str(root), "-B", str(build), "-G", "Ninja", "-DJFLASH_CUDA=ON",
+         "-DJFLASH_CUDA_SUBSET=all", "-DJFLASH_CUDA_ARCHS=80;90a",
+         "-DJFLASH_CUDA_SM80_HOPPER_SASS=OFF", f"-DPython_EXECUTABLE={sys.executable}"],
         capture_output=True, text=True, timeout=600,
     )
     assert configure.returncode == 0, configure.stdout[-4000:] + configure.stderr[-4000:]
     instantiations = sorted(p.name for p in (root / "csrc" / "cuda" / "instantiations").glob("*.cu"))
-    expected = {}
+    expected, kinds = {}, {}
     for name in instantiations:
-        expected.setdefault(_expected_unit(name), []).append(name)
+        unit, kind = _expected_unit(name)
+        expected.setdefault(unit, []).append(name)
+        kinds[unit] = kind
     units = {p.stem: p.read_text() for p in (build / "jflash_kernels").glob("*.cu")}
     assert sorted(units) == sorted(expected)
     for unit, names in expected.items():
         included = re.findall(r'#include "cuda/instantiations/([^"]+)"', units[unit])
         assert sorted(included) == sorted(names), unit
-    # Each unit's object library (its compile flags): read from the generated build files.
-    build_files = "\n".join(p.read_text(errors="replace") for p in build.rglob("*")
-                            if p.is_file() and p.suffix in ("", ".make", ".ninja", ".txt")
-                            and p.stat().st_size < 1 << 24)
-    for unit in units:
-        if unit.startswith("flash_decode_"):
-            library = "jflash_cuda"
-        elif "_sm90_" in unit:
-            library = "jflash_cuda_sm90"
-        elif "_float32_" in unit:
-            library = f"jflash_cuda_float32_{unit.split('_')[1]}"
-        else:
-            library = "jflash_cuda_sm80"
-        assert f"{library}.dir/jflash_kernels/{unit}.cu" in build_files, (unit, library)
+    # Each unit's compile flags, and the order ninja starts them in, from build.ninja.
+    ninja = (build / "build.ninja").read_text()
+    blocks = re.findall(r"^build CMakeFiles/jflash_cuda_kernels\.dir/jflash_kernels/(\w+)\.cu\.o: "
+                        r".*?\n  FLAGS = ([^\n]*)", ninja, flags=re.M | re.S)
+    assert sorted(unit for unit, _ in blocks) == sorted(expected)
+    for unit, flags in blocks:
+        assert set(re.findall(r"-gencode=arch=(\S+)", flags)) == _GENCODE[kinds[unit]], unit
+    order = [unit for unit, _ in blocks]
+    # The longest units first (cuda.cmake's _unit_order): the float32 backward at 256
+    # and the Hopper units before any sm80 forward-only, float32 forward or decode unit.
+    first_short = min(order.index(u) for u in order if kinds[u] in ("float32_fwd", "decode")
+                      or u.startswith("flash_fwd_sm80_"))
+    assert order.index("flash_bwd_float32_hdim256") == 0
+    assert all(order.index(u) < first_short for u in order if kinds[u] == "sm90"), order

@@ -6,7 +6,8 @@
 #   STEPS              the steps below, in order (default: build tests sanitize bench)
 #   JFLASH_CUDA_SUBSET what the build step compiles (default: ci)
 #   JFLASH_CUDA_ARCHS  its architectures (default: 90a)
-#   BUILD_JOBS         its parallel compile jobs (default: the number of CPUs)
+#   BUILD_JOBS         its parallel compile jobs (default: ninja's own, the number of
+#                      CPUs + 2, which a user's pip install gets)
 #   JFLASH_CUDA_SM80_HOPPER_SASS  sm_90a SASS for the sm80 kernels too (default: ON
 #                      here, unlike a user's build, so that the tests and comparisons
 #                      that force the sm80 kernels on Hopper do not wait for the
@@ -21,7 +22,7 @@ set -u
 : "${STEPS:=build tests sanitize bench}"
 : "${JFLASH_CUDA_SUBSET:=ci}"
 : "${JFLASH_CUDA_ARCHS:=90a}"
-: "${BUILD_JOBS:=$(nproc)}"
+: "${BUILD_JOBS:=}"
 : "${BENCH_ARGS:=--head-dims 128 --seqs 16384}"
 : "${TEST_K:=}"
 : "${SANITIZE_ARGS:=}"
@@ -57,8 +58,15 @@ for step in $STEPS; do
       CMAKE_BUILD_PARALLEL_LEVEL=$BUILD_JOBS JFLASH_CUDA=ON JFLASH_CUDA_ARCHS="$JFLASH_CUDA_ARCHS" \
         JFLASH_CUDA_SUBSET="$JFLASH_CUDA_SUBSET" \
         JFLASH_CUDA_SM80_HOPPER_SASS="${JFLASH_CUDA_SM80_HOPPER_SASS:-ON}" \
-        python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 \
-        || { tail -40 "$OUT/build.log"; exit 1; }
+        python3 -m pip install --no-build-isolation --no-deps -v . 2>&1 | python3 -u -c '
+import sys, time
+t0 = time.time()
+for line in sys.stdin:
+    sys.stdout.write(f"{time.time() - t0:8.2f} {line}")' > "$OUT/build.log"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
+      # When each phase began (seconds from pip's start): configure, compile, wheel.
+      grep -E "\*\*\* |Successfully installed" "$OUT/build.log"
+      ls -l build/*/libjflash_cuda.so
       # ninja's log: start and end (ms) of every unit, where the build's time went.
       cp build/*/.ninja_log "$OUT/ninja_log.txt" 2>/dev/null
       python3 -P -c "import jflash; print('HAS_CUDA_KERNELS', jflash.HAS_CUDA_KERNELS)" ;;

@@ -24,10 +24,10 @@
 # A head dim or dtype left out gives an ffi::Error that names JFLASH_CUDA_SUBSET.
 #
 # Build time (docs/cuda_kernels.md, "Build time"): nvcc's time goes to cicc's
-# template work, which the instantiations of one head dim share, so the chosen
-# files are compiled as one translation unit per (direction, head dim, family;
-# and for float32 score kind, whose two precisions share a unit), and one per
-# head dim for the decode kernels: 37 for "all" instead of 276, the same SASS.
+# template work, much of which the instantiations of one head dim share, so the
+# chosen files are compiled as one translation unit per head dim and kernel
+# family (below): 24 for "all" instead of 276, the same SASS, started longest
+# first.
 # The sm80 forward and backward get no sm_90a SASS when 80 is a target
 # (below, _gencode_sm80) unless JFLASH_CUDA_SM80_HOPPER_SASS is ON; the decode
 # kernels and the float32 kernels do.
@@ -84,8 +84,8 @@ foreach(_file IN LISTS _all_instantiations)
 endforeach()
 # The Hopper kernels (flash_fwd_sm90_*, flash_bwd_sm90_*) exist only as sm_90a
 # code: left out when 90a is not a target (the handlers then run the sm80
-# kernels on Hopper too), else compiled in their own object library for 90a
-# alone (below).
+# kernels on Hopper too), else compiled in units of their own for 90a alone
+# (below).
 if(NOT "90a" IN_LIST JFLASH_CUDA_ARCHS)
   list(FILTER _instantiations EXCLUDE REGEX "/flash_(fwd|bwd)_sm90_[^/]*$")
 endif()
@@ -94,21 +94,29 @@ if(_count EQUAL 0)
   message(FATAL_ERROR "jflash: JFLASH_CUDA_SUBSET='${JFLASH_CUDA_SUBSET}' selects no kernel instantiation")
 endif()
 
-# One translation unit per (direction, head dim, family; float32 also per score
-# kind): a generated .cu that #includes the chosen instantiation files of the
-# group. Its instantiations (both dtypes, the masks, and the sm80 kernels' 99 KB
-# tile column) share most of nvcc's work: the four of the sm80 backward at head
-# dim 128 cost 1.2x the CPU time of one (docs/cuda_kernels.md, "Build time"). The
-# softcap kernels join their plain kernels' unit (0.68-0.75x the CPU time of
-# two units, "Build time" item 9), but for float32, whose backward unit at head
-# dim 64 would become the build's longest by far. Same templates, same flags:
-# the SASS of every kernel stays the same.
+# One translation unit per head dim and kernel family: a generated .cu that
+# #includes the chosen instantiation files of the unit. cicc takes most of
+# nvcc's time, and much of it is fixed per unit (CuTe and the kernel parts that
+# the instantiations of a head dim share), so the kernels of a head dim share a
+# unit (docs/cuda_kernels.md, "Build time", items 8-10; same templates, same
+# flags: the SASS of every kernel stays the same):
+#   flash_sm80_hdim<D>     the sm80 forward and backward: both dtypes, every
+#                          mask and score, the 99 KB tile column
+#   flash_sm90_hdim<D>     the Hopper forward and backward
+#   flash_fwd_float32_hdim<D>            the float32 forward, TF32 and 3xTF32
+#   flash_bwd_float32_hdim<D>[_softcap]  the float32 backward, its softcap
+#                          kernels apart (two cicc passes each: one unit of both
+#                          would be the build's longest by far)
+#   flash_decode_hdim<D>   the decode kernels
+# The head dims of _sm80_split_head_dims keep the sm80 forward and backward
+# apart (flash_fwd_sm80_hdim<D>, flash_bwd_sm80_hdim<D>): at 256 one unit would
+# outlast every other unit of the build.
+set(_sm80_split_head_dims 256)
 set(_group_dir "${CMAKE_CURRENT_BINARY_DIR}/jflash_kernels")
 set(_groups "")
 foreach(_file IN LISTS _instantiations)
   get_filename_component(_name "${_file}" NAME)
   if(_name MATCHES "^flash_decode_(fp16|bf16)_hdim([0-9]+)\\.cu$")
-    # The decode kernels: a group of their own per head dim (sm80 code).
     set(_group "flash_decode_hdim${CMAKE_MATCH_2}")
   elseif(NOT _name MATCHES "^flash_(fwd|bwd)(_small|_sm90)?_(fp16|bf16|tf32|tf32x3)_hdim([0-9]+)_(full|band|segments)(_softcap)?\\.cu$")
     message(FATAL_ERROR "jflash: ${_name} is not named like csrc/cuda/generate_kernels.py's files")
@@ -119,24 +127,21 @@ foreach(_file IN LISTS _instantiations)
     set(_dtype "${CMAKE_MATCH_3}")
     set(_hdim "${CMAKE_MATCH_4}")
     set(_score "${CMAKE_MATCH_6}")
-    # The 99 KB column joins its direction's sm80 group; the Hopper kernels stay
-    # apart, for their own arch; softcap kernels join the plain ones but for
-    # float32.
     if(_family STREQUAL "_sm90")
-      set(_group "flash_${_dir}_sm90_hdim${_hdim}")
+      set(_group "flash_sm90_hdim${_hdim}")
+    elseif(_dtype MATCHES "^tf32" AND _dir STREQUAL "fwd")
+      set(_group "flash_fwd_float32_hdim${_hdim}")
     elseif(_dtype MATCHES "^tf32")
-      # The float32 kernels: a unit per (direction, head dim, score), both
-      # precisions (TF32 and 3xTF32) in it, for every arch (below). One unit of
-      # both costs 0.6-0.67x the CPU time of the two apart (docs/cuda_kernels.md,
-      # "Build time", item 8), with the same SASS.
-      set(_group "flash_${_dir}_float32_hdim${_hdim}${_score}")
+      set(_group "flash_bwd_float32_hdim${_hdim}${_score}")
+    elseif(_hdim IN_LIST _sm80_split_head_dims)
+      set(_group "flash_${_dir}_sm80_hdim${_hdim}")
     else()
-      set(_group "flash_${_dir}_hdim${_hdim}")
+      set(_group "flash_sm80_hdim${_hdim}")
     endif()
   endif()
   # A malformed group name would put several groups' kernels in one unit (a
-  # serial build) or in the wrong object library (the wrong SASS).
-  if(NOT _group MATCHES "^flash_((fwd|bwd|decode)(_sm90)?_hdim[0-9]+|(fwd|bwd)_float32_hdim[0-9]+(_softcap)?)$")
+  # serial build) or give a unit the wrong -gencode flags (the wrong SASS).
+  if(NOT _group MATCHES "^flash_((sm80|sm90|decode)_hdim[0-9]+|(fwd|bwd)_sm80_hdim[0-9]+|fwd_float32_hdim[0-9]+|bwd_float32_hdim[0-9]+(_softcap)?)$")
     message(FATAL_ERROR "jflash: ${_name} went to the translation unit '${_group}'")
   endif()
   if(NOT _group IN_LIST _groups)
@@ -145,29 +150,50 @@ foreach(_file IN LISTS _instantiations)
   endif()
   string(APPEND _includes_${_group} "#include \"cuda/instantiations/${_name}\"\n")
 endforeach()
-set(_sm80_sources "")
-set(_sm90_sources "")
-set(_decode_sources "")
-set(_float32_fwd_sources "")
-set(_float32_bwd_sources "")
-file(GLOB _stale_groups "${_group_dir}/*.cu")
+# Ninja starts the compiles in the order of the library's sources, so the units
+# go longest first (a unit that started late would end the build alone): the
+# order of their compile times in a full build on 16 cores ("Build time", item
+# 10). Units not in the list (other subsets' names stay the same) follow.
+set(_unit_order
+  flash_bwd_float32_hdim256 flash_sm90_hdim128 flash_sm90_hdim64 flash_bwd_float32_hdim128
+  flash_bwd_float32_hdim64 flash_bwd_float32_hdim64_softcap flash_sm80_hdim128
+  flash_bwd_sm80_hdim256 flash_sm90_hdim256 flash_bwd_float32_hdim128_softcap
+  flash_bwd_float32_hdim256_softcap flash_sm80_hdim224 flash_sm80_hdim192 flash_sm80_hdim64
+  flash_fwd_float32_hdim256 flash_fwd_float32_hdim64 flash_fwd_float32_hdim128
+  flash_sm80_hdim96 flash_fwd_sm80_hdim256 flash_sm80_hdim160 flash_decode_hdim128
+  flash_sm80_hdim32 flash_decode_hdim256 flash_decode_hdim64)
+set(_ordered_groups "")
+foreach(_group IN LISTS _unit_order)
+  if(_group IN_LIST _groups)
+    list(APPEND _ordered_groups "${_group}")
+  endif()
+endforeach()
 foreach(_group IN LISTS _groups)
+  if(NOT _group IN_LIST _ordered_groups)
+    list(APPEND _ordered_groups "${_group}")
+  endif()
+endforeach()
+set(_kernel_sources "")
+file(GLOB _stale_groups "${_group_dir}/*.cu")
+foreach(_group IN LISTS _ordered_groups)
   set(_source "${_group_dir}/${_group}.cu")
   list(REMOVE_ITEM _stale_groups "${_source}")
   # CONFIGURE writes the file only when its text changes, so that a
   # reconfigure does not recompile every group.
   file(CONFIGURE OUTPUT "${_source}" @ONLY
        CONTENT "// Generated by csrc/cuda/cuda.cmake: ${_group} in this build.\n${_includes_${_group}}")
-  if(_group MATCHES "_sm90_")
-    list(APPEND _sm90_sources "${_source}")
-  elseif(_group MATCHES "^flash_fwd_float32")
-    list(APPEND _float32_fwd_sources "${_source}")
-  elseif(_group MATCHES "^flash_bwd_float32")
-    list(APPEND _float32_bwd_sources "${_source}")
+  list(APPEND _kernel_sources "${_source}")
+  # The unit's kind, which picks its -gencode flags (below).
+  if(_group MATCHES "^flash_sm90_")
+    set(_kind_${_group} sm90)
+  elseif(_group MATCHES "^flash_fwd_float32_")
+    set(_kind_${_group} float32_fwd)
+  elseif(_group MATCHES "^flash_bwd_float32_")
+    set(_kind_${_group} float32_bwd)
   elseif(_group MATCHES "^flash_decode_")
-    list(APPEND _decode_sources "${_source}")
+    set(_kind_${_group} decode)
   else()
-    list(APPEND _sm80_sources "${_source}")
+    set(_kind_${_group} sm80)
   endif()
 endforeach()
 if(_stale_groups)
@@ -180,19 +206,12 @@ message(STATUS "jflash: compiling ${_count} CUDA kernel instantiations in ${_cou
 add_library(jflash_cuda SHARED
   csrc/ffi/cuda_handlers.cu
   csrc/ffi/version.cc
-  csrc/cuda/registry.cu
-  ${_decode_sources})
-set(_cuda_targets jflash_cuda)
-# Object libraries in the order of their units' compile times, longest first:
-# ninja starts the link's inputs in this order, so that the float32 backward's
-# units (the longest, two cicc passes each) do not start last and end alone.
-foreach(_library IN ITEMS float32_bwd sm80 sm90 float32_fwd)
-  if(_${_library}_sources)
-    add_library(jflash_cuda_${_library} OBJECT ${_${_library}_sources})
-    target_sources(jflash_cuda PRIVATE $<TARGET_OBJECTS:jflash_cuda_${_library}>)
-    list(APPEND _cuda_targets jflash_cuda_${_library})
-  endif()
-endforeach()
+  csrc/cuda/registry.cu)
+# Every kernel unit in one object library, in _ordered_groups' order, each with
+# the -gencode flags of its kind (a source property, below).
+add_library(jflash_cuda_kernels OBJECT ${_kernel_sources})
+target_sources(jflash_cuda PRIVATE $<TARGET_OBJECTS:jflash_cuda_kernels>)
+set(_cuda_targets jflash_cuda jflash_cuda_kernels)
 foreach(_target IN LISTS _cuda_targets)
   target_include_directories(${_target} PRIVATE csrc csrc/include)
   # SYSTEM: their own warnings (XLA's missing returns, CuTe's) are not ours to fix.
@@ -264,11 +283,13 @@ if("80" IN_LIST JFLASH_CUDA_ARCHS AND "90a" IN_LIST JFLASH_CUDA_ARCHS)
 endif()
 set(_gencode_float32_bwd "${_gencode}")
 set(_gencode_sm90 "-gencode=arch=compute_90a,code=sm_90a")
-foreach(_library IN ITEMS float32_bwd sm80 sm90 float32_fwd)
-  if(_${_library}_sources)
-    target_compile_options(jflash_cuda_${_library} PRIVATE
-      ${_gencode_${_library}} -O3 --expt-relaxed-constexpr -lineinfo)
-  endif()
+# The decode kernels, which every GPU runs, and whose Hopper code waits for its
+# prerequisite grids (griddepcontrol, sm_90 PTX): the full list.
+set(_gencode_decode "${_gencode}")
+target_compile_options(jflash_cuda_kernels PRIVATE -O3 --expt-relaxed-constexpr -lineinfo)
+foreach(_group IN LISTS _ordered_groups)
+  set_source_files_properties("${_group_dir}/${_group}.cu" PROPERTIES
+    COMPILE_OPTIONS "${_gencode_${_kind_${_group}}}")
 endforeach()
 target_link_libraries(jflash_cuda PRIVATE CUDA::cudart_static)
 install(TARGETS jflash_cuda LIBRARY DESTINATION ${JFLASH_INSTALL_DIR})
