@@ -11,7 +11,7 @@
 #include <cute/tensor.hpp>
 
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#error "csrc/cuda/sm90 is compiled for sm_90a only (cuda.cmake: jflash_cuda_sm90)"
+#error "csrc/cuda/sm90 is compiled for sm_90a only (cuda.cmake: the flash_sm90_* units)"
 #endif
 
 namespace jflash::cuda::sm90 {
