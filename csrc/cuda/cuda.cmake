@@ -151,9 +151,9 @@ foreach(_file IN LISTS _instantiations)
   string(APPEND _includes_${_group} "#include \"cuda/instantiations/${_name}\"\n")
 endforeach()
 # Ninja starts the compiles in the order of the library's sources, so the units
-# go longest first (a unit that started late would end the build alone): the
+# go longest first, so that none starts late and ends the build alone: the
 # order of their compile times in a full build on 16 cores ("Build time", item
-# 10). Units not in the list (other subsets' names stay the same) follow.
+# 10). A unit the list lacks (a new head dim) follows the listed ones.
 set(_unit_order
   flash_bwd_float32_hdim256 flash_sm90_hdim128 flash_sm90_hdim64 flash_bwd_float32_hdim128
   flash_bwd_float32_hdim64 flash_bwd_float32_hdim64_softcap flash_sm80_hdim128
