@@ -16,8 +16,8 @@
 #   TEST_K             a pytest -k expression for the tests step (default: every test)
 #   SANITIZE_ARGS      sanitizer_driver.py's arguments for the sanitize step
 #   GRID_ARGS          benchmarks/gpu_benchmark.py's arguments for the grid step
-#   SUITE_TIMEOUT      seconds each of the suite step's pytest groups may run (default: 480)
 #                      (its results go to $OUT/grid.json)
+#   SUITE_TIMEOUT      seconds each of the suite step's pytest groups may run (default: 480)
 set -u
 : "${STEPS:=build tests sanitize bench}"
 : "${JFLASH_CUDA_SUBSET:=ci}"
@@ -99,7 +99,8 @@ for line in sys.stdin:
       run_group cuda_ref tests/test_cuda_specific.py -k test_against_reference
       run_group cuda_other tests/test_cuda_specific.py -k "not test_against_reference"
       run_group core tests/test_flash_attention.py tests/test_dot_product_attention.py
-      # Every other file, dealt in turn into three groups (two ran past 545 s).
+      # Every other file, dealt in turn into three groups (of
+      # two, one ran past 545 s on an H200).
       rest=($(ls tests/test_*.py | grep -v -e test_cuda_specific -e test_flash_attention \
         -e test_dot_product_attention))
       for i in 0 1 2; do
